@@ -1,0 +1,28 @@
+"""The one error type users see: it names the field, the value and what was expected."""
+from __future__ import annotations
+
+import difflib
+
+
+class KiecError(Exception):
+    """A user-facing error. The CLI prints it as one line, without a traceback."""
+
+    def __init__(self, field: str, value, expected: str, hint: str = ""):
+        self.field, self.value, self.expected, self.hint = field, value, expected, hint
+        text = f"{field}: got {_show(value)}; expected {expected}"
+        super().__init__(text + (f" ({hint})" if hint else ""))
+
+
+class DeviceError(KiecError):
+    """The GPU kernel stopped itself (a bounded wait ran out) or a CUDA/HIP call failed."""
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def nearest(word: str, known) -> str:
+    """'did you mean' text for an unknown key; empty when nothing is close."""
+    match = difflib.get_close_matches(word, list(known), n=1, cutoff=0.5)
+    return f"did you mean {match[0]!r}?" if match else ""

@@ -1,0 +1,145 @@
+"""Engine: one model, one sequence at a time (batch 1), on a backend.
+
+A backend owns the KV cache and computes logits: `reference` (the numpy interpreter,
+any machine) or `gpu` (the compiled monokernel). The engine keeps the tokens that are
+in the cache, so a new request that shares a prefix with the last one only computes
+the rest (coding agents resend the same context), samples, applies stop conditions and
+streams `Token` events.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import KiecError
+from ..model import ModelSpec
+from .sampling import Sampler, SamplingParams
+
+
+@dataclass
+class Token:
+    id: int
+    text: str                       # the text this token adds (may be "" inside a multi-byte char)
+    logprob: float | None = None
+    top_logprobs: dict = field(default_factory=dict)
+    finish_reason: str | None = None  # None, "stop" or "length" on the last event
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        gen = self.total_s - self.ttft_s
+        return (self.completion_tokens - 1) / gen if gen > 0 and self.completion_tokens > 1 else 0.0
+
+
+class ReferenceBackend:
+    """The numpy interpreter as a backend."""
+    name = "reference"
+
+    def __init__(self, spec: ModelSpec, dtype=np.float32, progress=None):
+        from ..pipeline import build_graph
+        from ..reference.interpreter import Reference, reference_weights
+        from ..weights import load_checkpoint
+        graph = build_graph(spec)
+        weights = reference_weights(graph, load_checkpoint(spec), dtype)
+        self.model = Reference(graph, weights, spec.config, spec.max_seq_len, dtype)
+        self.max_seq_len = spec.max_seq_len
+        self.vocab = spec.config.vocab
+
+    def forward(self, tokens, start: int) -> np.ndarray:
+        """Logits [vocab] after appending `tokens` at position `start` (the cache below stays)."""
+        self.model.reset(start)
+        return np.asarray(self.model.forward(tokens)[-1], dtype=np.float32)
+
+
+def make_backend(spec: ModelSpec, backend: str = "auto", **options):
+    if backend == "auto":
+        from .gpu import gpu_available
+        backend = "gpu" if gpu_available() else "reference"
+    if backend == "reference":
+        return ReferenceBackend(spec, **options)
+    if backend == "gpu":
+        from .gpu import GpuBackend
+        return GpuBackend(spec, **options)
+    raise KiecError("backend", backend, "'auto', 'gpu' or 'reference'")
+
+
+class Engine:
+    def __init__(self, spec: ModelSpec, backend="auto", tokenizer=None, **options):
+        from .tokenizer import load_tokenizer
+        self.spec = spec
+        self.backend = make_backend(spec, backend, **options) if isinstance(backend, str) else backend
+        self.tokenizer = tokenizer or load_tokenizer(spec.tokenizer)
+        self.cached: list[int] = []      # the tokens whose K/V the backend holds, in order
+        self.last_stats = Stats()
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.backend.max_seq_len
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def generate(self, prompt: list[int], params: SamplingParams | None = None) -> Iterator[Token]:
+        """Streams the completion of `prompt` (token ids)."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise KiecError("prompt", [], "at least one token")
+        if len(prompt) >= self.max_seq_len:
+            raise KiecError("prompt", f"{len(prompt)} tokens",
+                            f"fewer than max_seq_len ({self.max_seq_len}) tokens, leaving room to generate")
+        stats = Stats(prompt_tokens=len(prompt))
+        start = time.perf_counter()
+        # prefix reuse: keep the cache up to the first token that differs (at least one token is recomputed)
+        common = 0
+        for a, b in zip(self.cached, prompt[:-1]):
+            if a != b:
+                break
+            common += 1
+        stats.cached_tokens = common
+        self.cached = self.cached[:common]
+        logits = self.backend.forward(prompt[common:], common)
+        self.cached = list(prompt)
+        sampler = Sampler(params, self.tokenizer.eos_ids)
+        decoder = self.tokenizer.stream_decoder()
+        history = list(prompt)
+        text = ""
+        limit = min(params.max_tokens, self.max_seq_len - len(prompt))
+        for n in range(limit):
+            token, logprob, top = sampler.sample(logits, history)
+            if n == 0:
+                stats.ttft_s = time.perf_counter() - start
+            history.append(token)
+            stats.completion_tokens = n + 1
+            if sampler.is_stop_token(token):
+                stats.total_s = time.perf_counter() - start
+                self.last_stats = stats
+                yield Token(token, "", logprob, top, "stop")
+                return
+            piece = decoder.push(token)
+            text += piece
+            hit = sampler.stop_string(text, len(piece))
+            if hit is not None:
+                piece = piece[: len(piece) - (len(text) - hit)]
+                stats.total_s = time.perf_counter() - start
+                self.last_stats = stats
+                yield Token(token, piece, logprob, top, "stop")
+                return
+            last = n == limit - 1
+            if not last:
+                logits = self.backend.forward([token], len(self.cached))
+                self.cached.append(token)
+            stats.total_s = time.perf_counter() - start
+            self.last_stats = stats
+            yield Token(token, piece, logprob, top, "length" if last else None)

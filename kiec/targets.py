@@ -1,0 +1,54 @@
+"""A target is data: the table of differences between HIP-on-NVIDIA and HIP-on-AMD.
+
+Templates read these fields and nothing else about the target; there is no
+`if amd:` anywhere below the renderer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str                 # the model.json spelling
+    vendor: str               # "nvidia" | "amd" (selects the portability header's section)
+    arch: str                 # sm_90a | gfx942
+    warp_size: int
+    multiprocessors: int      # used when no device is present to size the grid
+    smem_bytes: int           # shared memory one block may use (the weight ring lives here)
+    async_copy: str           # "bulk": cp.async.bulk + mbarrier; "sync": the producer warp copies
+    compiler: str             # builds the .so
+    compile_flags: tuple
+    check_compiler: str       # device-only compile check, no GPU needed
+    check_flags: tuple
+    system_scope_atomics: bool = True
+
+
+TARGETS = {
+    "cuda:sm_90": Target(
+        name="cuda:sm_90", vendor="nvidia", arch="sm_90a", warp_size=32, multiprocessors=132,
+        smem_bytes=227 * 1024, async_copy="bulk",
+        compiler="nvcc",
+        compile_flags=("-O3", "-std=c++17", "-x", "cu", "-gencode=arch=compute_90a,code=sm_90a",
+                       "--expt-relaxed-constexpr", "-Xptxas=-v", "-lineinfo"),
+        check_compiler="nvcc",
+        check_flags=("-O3", "-std=c++17", "-x", "cu", "-cubin", "-gencode=arch=compute_90a,code=sm_90a",
+                     "-Xptxas=-v"),
+    ),
+    "hip:gfx942": Target(
+        name="hip:gfx942", vendor="amd", arch="gfx942", warp_size=64, multiprocessors=304,
+        smem_bytes=64 * 1024, async_copy="sync",
+        compiler="hipcc",
+        compile_flags=("-O3", "-std=c++17", "--offload-arch=gfx942", "-munsafe-fp-atomics"),
+        check_compiler="clang++-19",
+        check_flags=("-O3", "-std=c++17", "-x", "hip", "--offload-arch=gfx942", "--offload-device-only",
+                     "-nogpulib", "-c"),
+    ),
+}
+
+
+def get_target(name: str) -> Target:
+    from .errors import KiecError, nearest
+    if name not in TARGETS:
+        raise KiecError("target", name, " or ".join(TARGETS), nearest(name, TARGETS))
+    return TARGETS[name]

@@ -1,0 +1,319 @@
+"""Weight readers: safetensors (file, folder, sharded index), GGUF and Hugging Face folders.
+
+No torch at run time: safetensors are parsed here (header + memory map, bf16 through
+ml_dtypes); GGUF goes through the `gguf` package and is dequantized, with llama.cpp's
+Q/K row permutation undone so every weight has Hugging Face's layout. Checkpoint names
+are mapped to kiec's canonical names (`layers.3.wq`, ...) and checked against the
+config: a missing, extra or misshapen tensor is one clear error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .errors import KiecError
+from .model import ArchConfig
+
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+IGNORED = ("rotary_emb.inv_freq", "masked_bias", ".attn.bias")
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+class WeightStore:
+    """Checkpoint tensors by their checkpoint names: shape, dtype and lazily read data."""
+
+    def __init__(self, entries: dict, loaders: dict, origin: str):
+        self.entries = entries      # name -> (shape, dtype name)
+        self.loaders = loaders      # name -> () -> np.ndarray
+        self.origin = origin
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def names(self):
+        return self.entries.keys()
+
+    def shape(self, name: str) -> tuple:
+        return self.entries[name][0]
+
+    def get(self, name: str, dtype=np.float32) -> np.ndarray:
+        array = self.loaders[name]()
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+
+# --- safetensors ------------------------------------------------------------------------------
+
+def read_safetensors(path: str) -> WeightStore:
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise KiecError("weights", path, "a safetensors file", "truncated before its header")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8 or header_len > 100_000_000:
+            raise KiecError("weights", path, "a safetensors file",
+                            f"its header claims {header_len} bytes but the file has {size}")
+        try:
+            header = json.loads(fh.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise KiecError("weights", path, "a safetensors file", f"corrupt header: {err}") from None
+    if not isinstance(header, dict):
+        raise KiecError("weights", path, "a safetensors file", "corrupt header: not an object")
+    header.pop("__metadata__", None)
+    start = 8 + header_len
+    data = np.memmap(path, dtype=np.uint8, mode="r") if size > start else np.zeros(0, np.uint8)
+    entries, loaders = {}, {}
+    for name, info in header.items():
+        try:
+            dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise KiecError("weights", f"{path}:{name}", "a safetensors entry with dtype, shape and data_offsets",
+                            "corrupt header") from None
+        if dtype not in SAFETENSORS_DTYPES:
+            raise KiecError(f"weights[{name}].dtype", dtype, " / ".join(SAFETENSORS_DTYPES))
+        npdt = _np_dtype(SAFETENSORS_DTYPES[dtype])
+        if hi - lo != int(np.prod(shape, dtype=np.int64)) * npdt.itemsize or lo < 0:
+            raise KiecError(f"weights[{name}]", f"{hi - lo} bytes", f"{shape} of {dtype}", f"corrupt header in {path}")
+        if start + hi > size:
+            raise KiecError("weights", path, f"at least {start + hi} bytes", f"truncated: the file has {size}")
+        entries[name] = (shape, SAFETENSORS_DTYPES[dtype])
+        loaders[name] = (lambda lo=lo, hi=hi, npdt=npdt, shape=shape:
+                         np.asarray(data[start + lo:start + hi]).view(npdt).reshape(shape))
+    return WeightStore(entries, loaders, path)
+
+
+def read_folder(folder: str) -> WeightStore:
+    """A folder of safetensors: a Hugging Face model folder, sharded by an index or not."""
+    root = Path(folder)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as err:
+            raise KiecError("weights", str(index), "a safetensors index with a weight_map", str(err)) from None
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+        raise KiecError("weights", folder, "a folder holding *.safetensors",
+                        f"found {others} instead" if others else "no safetensors files in it")
+    entries, loaders = {}, {}
+    for name in files:
+        path = root / name
+        if not path.exists():
+            raise KiecError("weights", str(path), "an existing shard named by the index", "no such file")
+        part = read_safetensors(str(path))
+        entries.update(part.entries)
+        loaders.update(part.loaders)
+    return WeightStore(entries, loaders, folder)
+
+
+# --- GGUF -------------------------------------------------------------------------------------
+
+def _gguf_reader(path: str):
+    import gguf
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as err:  # the gguf package raises ValueError, struct.error, OSError, ...
+        raise KiecError("weights", path, "a GGUF file", f"unreadable or truncated: {type(err).__name__}: {err}") from None
+
+
+def gguf_config(path: str) -> dict:
+    """A Hugging Face-style config from a GGUF file's metadata."""
+    reader = _gguf_reader(path)
+    meta = {k: _field(f) for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise KiecError("weights", f"{path} (general.architecture={arch!r})", "a llama, qwen2 or mistral GGUF")
+    names = {t.name for t in reader.tensors}
+
+    def key(k, default=None):
+        return meta.get(f"{arch}.{k}", default)
+    heads = int(key("attention.head_count"))
+    cfg = {
+        "model_type": arch,
+        "hidden_size": int(key("embedding_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "intermediate_size": int(key("feed_forward_length")),
+        "max_position_embeddings": int(key("context_length", 4096)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "vocab_size": int(key("vocab_size", 0) or reader.tensors[0].shape[-1]),
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+    if key("rope.dimension_count"):
+        cfg["head_dim"] = int(key("rope.dimension_count"))
+    if key("attention.sliding_window"):
+        cfg["sliding_window"] = int(key("attention.sliding_window"))
+    if arch == "qwen2":
+        cfg["use_sliding_window"] = False
+    return cfg
+
+
+def _field(f):
+    try:
+        return f.contents()
+    except Exception:
+        return None
+
+
+def read_gguf(path: str, cfg: ArchConfig) -> WeightStore:
+    import gguf
+    reader = _gguf_reader(path)
+    size = os.path.getsize(path)
+    entries, loaders = {}, {}
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise KiecError("weights", path, f"at least {end} bytes", f"truncated at tensor {t.name}: the file has {size}")
+        shape = tuple(int(n) for n in reversed(t.shape))      # GGUF lists the fastest axis first
+        entries[t.name] = (shape, "float32")
+
+        def load(t=t, shape=shape):
+            array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+            if t.name.endswith(("attn_q.weight", "attn_k.weight")):
+                heads = cfg.heads if "attn_q" in t.name else cfg.kv_heads
+                array = _unpermute(array, heads)
+            return array
+        loaders[t.name] = load
+    return WeightStore(entries, loaders, path)
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE) back to rotate-half order."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def open_store(path: str, cfg: ArchConfig) -> WeightStore:
+    p = Path(path)
+    if p.is_dir():
+        return read_folder(path)
+    if p.suffix == ".gguf":
+        return read_gguf(path, cfg)
+    if p.suffix == ".safetensors":
+        return read_safetensors(path)
+    raise KiecError("weights", path, "a .safetensors or .gguf file, or a folder", f"suffix {p.suffix!r}")
+
+
+# --- canonical names --------------------------------------------------------------------------
+
+def expected_tensors(cfg: ArchConfig, gguf_names: bool = False) -> dict:
+    """canonical name -> (checkpoint name, shape) for every tensor the config needs."""
+    d, hd, f, v, L = cfg.hidden, cfg.head_dim, cfg.ffn, cfg.vocab, cfg.lanes
+    out = {}
+    if cfg.arch == "laneformer":
+        norm = (d,) if cfg.replicated_norm else (L, d)
+        suffix = "weight" if cfg.replicated_norm else "scale"
+        out["embed"] = ("model.tok_embeddings.weight", (v, d))
+        for i in range(cfg.layers):
+            p, c = f"layers.{i}", f"model.layers.{i}"
+            out[f"{p}.attn_norm"] = (f"{c}.attention_norm.{suffix}", norm)
+            out[f"{p}.wq"] = (f"{c}.attention.wq.weight", (L, cfg.q_dim // L, d))
+            out[f"{p}.wk"] = (f"{c}.attention.wk.weight", (L, cfg.kv_dim // L, d))
+            out[f"{p}.wv"] = (f"{c}.attention.wv.weight", (L, cfg.kv_dim // L, d))
+            out[f"{p}.wo"] = (f"{c}.attention.wo.weight", (L, d, cfg.q_dim // L))
+            out[f"{p}.ffn_norm"] = (f"{c}.ffn_norm.{suffix}", norm)
+            out[f"{p}.w_gate"] = (f"{c}.feed_forward.w1.weight", (L, f // L, d))
+            out[f"{p}.w_up"] = (f"{c}.feed_forward.w3.weight", (L, f // L, d))
+            out[f"{p}.w_down"] = (f"{c}.feed_forward.w2.weight", (L, d, f // L))
+        final_rep = cfg.replicated_norm or cfg.pre_norm_lane_agg
+        out["final_norm"] = ("model.norm.weight", (d,)) if final_rep else ("model.norm.scale", (L, d))
+        if not cfg.tie_embeddings:
+            out["lm_head"] = {"replicate": ("lm_head.weight", (v, d)),
+                              "lane": ("lm_head.linear.weight", (v, L * d)),
+                              "vocab_parallel": ("lm_head.weight", (L, v // L, d))}[
+                "replicate" if cfg.pre_norm_lane_agg else cfg.lm_head_type]
+        return out
+    if gguf_names:
+        names = dict(embed="token_embd.weight", final="output_norm.weight", head="output.weight",
+                     attn_norm="attn_norm.weight", wq="attn_q.weight", wk="attn_k.weight", wv="attn_v.weight",
+                     bq="attn_q.bias", bk="attn_k.bias", bv="attn_v.bias", wo="attn_output.weight",
+                     ffn_norm="ffn_norm.weight", w_gate="ffn_gate.weight", w_up="ffn_up.weight",
+                     w_down="ffn_down.weight", layer="blk.{i}")
+    else:
+        names = dict(embed="model.embed_tokens.weight", final="model.norm.weight", head="lm_head.weight",
+                     attn_norm="input_layernorm.weight", wq="self_attn.q_proj.weight", wk="self_attn.k_proj.weight",
+                     wv="self_attn.v_proj.weight", bq="self_attn.q_proj.bias", bk="self_attn.k_proj.bias",
+                     bv="self_attn.v_proj.bias", wo="self_attn.o_proj.weight",
+                     ffn_norm="post_attention_layernorm.weight", w_gate="mlp.gate_proj.weight",
+                     w_up="mlp.up_proj.weight", w_down="mlp.down_proj.weight", layer="model.layers.{i}")
+    out["embed"] = (names["embed"], (v, d))
+    for i in range(cfg.layers):
+        p, c = f"layers.{i}", names["layer"].format(i=i)
+        shapes = dict(attn_norm=(d,), wq=(cfg.q_dim, d), wk=(cfg.kv_dim, d), wv=(cfg.kv_dim, d),
+                      wo=(d, cfg.q_dim), ffn_norm=(d,), w_gate=(f, d), w_up=(f, d), w_down=(d, f))
+        if cfg.qkv_bias:
+            shapes.update(bq=(cfg.q_dim,), bk=(cfg.kv_dim,), bv=(cfg.kv_dim,))
+        for key, shape in shapes.items():
+            out[f"{p}.{key}"] = (f"{c}.{names[key]}", shape)
+    out["final_norm"] = (names["final"], (d,))
+    if not cfg.tie_embeddings:
+        out["lm_head"] = (names["head"], (v, d))
+    return out
+
+
+class Checkpoint:
+    """A WeightStore seen through canonical names, checked against the config."""
+
+    def __init__(self, store: WeightStore, cfg: ArchConfig):
+        self.store, self.cfg = store, cfg
+        self.expected = expected_tensors(cfg, gguf_names=store.origin.endswith(".gguf"))
+        self._check()
+
+    def _check(self) -> None:
+        origin = self.store.origin
+        wanted = {ckpt: shape for ckpt, shape in self.expected.values()}
+        for canon, (ckpt, shape) in self.expected.items():
+            if ckpt not in self.store:
+                raise KiecError(f"weights[{ckpt}]", "missing", f"a tensor of shape {list(shape)} for {canon}",
+                                f"not in {origin}")
+            got = tuple(self.store.shape(ckpt))
+            if got != tuple(shape):
+                raise KiecError(f"weights[{ckpt}].shape", list(got), f"{list(shape)} for this config",
+                                f"in {origin}")
+        tied_head = {"lm_head.weight", "output.weight"} if self.cfg.tie_embeddings else set()
+        for name in self.store.names():
+            if name not in wanted and name not in tied_head and not name.endswith(IGNORED):
+                raise KiecError(f"weights[{name}]", "an extra tensor", "only the tensors this config uses",
+                                f"in {origin}; the config and the checkpoint disagree")
+
+    def get(self, canonical: str, dtype=np.float32) -> np.ndarray:
+        return self.store.get(self.expected[canonical][0], dtype)
+
+
+def load_checkpoint(spec) -> Checkpoint:
+    return Checkpoint(open_store(spec.weights, spec.config), spec.config)
+
+
+# --- layouts: how a graph weight is cut from its canonical tensor ----------------------------
+
+def materialize(ckpt: Checkpoint, tensor, dtype=np.float32) -> np.ndarray:
+    """The array of graph weight `tensor` ([lanes, rows, cols] etc.) from the checkpoint."""
+    src = ckpt.get(tensor.source, dtype)
+    layout, shape = tensor.layout, tuple(tensor.shape)
+    if layout in ("replicate", "native"):
+        out = src
+    elif layout == "lane1":
+        out = src[None]
+    elif layout == "colwise":       # split output rows: lane l owns rows l*n/L ...
+        out = src.reshape((shape[0], shape[1]) + src.shape[1:])
+    elif layout == "rowwise":       # split input columns: lane l owns columns l*n/L ...
+        out = src.reshape(src.shape[0], shape[0], shape[2]).transpose(1, 0, 2)
+    else:
+        raise ValueError(f"unknown layout {layout}")
+    if out.shape != shape:
+        raise ValueError(f"{tensor.name}: {layout} of {src.shape} gives {out.shape}, graph wants {shape}")
+    return np.ascontiguousarray(out)
