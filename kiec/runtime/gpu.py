@@ -1,9 +1,178 @@
-"""The GPU backend: the compiled monokernel behind the Backend interface."""
+"""The GPU backend: the compiled monokernel behind the Backend interface.
+
+`CompiledModel` runs the pipeline to a built .so (cached) and loads it; `GpuBackend`
+uploads the packed weights once, owns the KV cache on the device (positions are the
+runtime's to track), and drives launches: one step per launch (`forward`, logits back
+to the host), or a whole sequence in one launch with selection and the stop check on
+the GPU and tokens streamed through pinned host memory (`generate_on_device`).
+"""
 from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DeviceError, KiecError
+from ..model import ModelSpec
+
+REGION_ACTS, REGION_KV, REGION_HISTORY, REGION_TRACE, REGION_TOKENS = 0, 1, 2, 3, 4
 
 
 def gpu_available() -> bool:
-    import shutil, subprocess
-    if shutil.which("nvidia-smi") is None:
+    if shutil.which("nvidia-smi") is None or shutil.which("nvcc") is None:
         return False
     return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def device_multiprocessors(device: int = 0) -> int | None:
+    """The multiprocessor count, read through the CUDA driver's nvidia-smi-independent query."""
+    try:
+        import ctypes
+        cuda = ctypes.CDLL("libcuda.so.1")
+        if cuda.cuInit(0):
+            return None
+        dev, count = ctypes.c_int(), ctypes.c_int()
+        cuda.cuDeviceGet(ctypes.byref(dev), device)
+        cuda.cuDeviceGetAttribute(ctypes.byref(count), 16, dev)   # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+        return count.value or None
+    except OSError:
+        return None
+
+
+class CompiledModel:
+    """A model's schedule, sources and built module (one build per source hash)."""
+
+    def __init__(self, spec: ModelSpec, multiprocessors: int | None = None, build_root: Path | None = None,
+                 quiet: bool = False, dump: Path | None = None):
+        from ..fetch import cache_dir
+        from ..pipeline import render_sources
+        from ..targets import get_target
+        from ..toolchain import build
+        self.spec = spec
+        self.target = get_target(spec.target)
+        self.graph, self.sched, self.files, self.name = render_sources(spec, multiprocessors, dump)
+        folder = (build_root or cache_dir() / "build") / f"{_slug(spec.name)}-{self.name[5:]}"
+        t0 = time.perf_counter()
+        self.build = build(self.files, self.target, folder, self.name, quiet=quiet)
+        self.build_s = time.perf_counter() - t0
+        module_spec = importlib.util.spec_from_file_location(self.name, self.build.module_path)
+        self.module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(self.module)
+        if dump is not None:
+            for name in ("kernel.hip", "kiec_port.h", "kiec_api.h", "module.cpp", "build.ninja"):
+                shutil.copy(folder / name, dump / name)
+            shutil.copy(self.build.module_path, dump / self.build.module_path.name)
+
+
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in name)[:48]
+
+
+class GpuBackend:
+    name = "gpu"
+
+    def __init__(self, spec: ModelSpec, device: int = 0, quiet: bool = False, progress=None,
+                 timeout_s: float = 5.0, checkpoint=None, compiled: CompiledModel | None = None):
+        from ..pack import pack_weights
+        from ..weights import load_checkpoint, materialize
+        self.spec, self.device, self.timeout_s = spec, device, timeout_s
+        sms = device_multiprocessors(device)
+        self.compiled = compiled or CompiledModel(spec, sms, quiet=quiet)
+        self.sched = self.compiled.sched
+        self.kernel = self.compiled.module.Kernel(device)
+        ckpt = checkpoint or load_checkpoint(spec)
+        arrays = {t.name: materialize(ckpt, t) for t in self.compiled.graph.weights()}
+        blob = pack_weights(self.sched, arrays, spec.config, spec.max_seq_len, spec.dtype, progress)
+        del arrays
+        self.kernel.upload(blob)
+        self.info = self.compiled.module.info()
+        self.max_seq_len = spec.max_seq_len
+        self.vocab = spec.config.vocab
+        self.step_base = 0
+        self.logits_offset = self.sched.memory["acts"]["logits"][0]
+
+    # --- launches ---------------------------------------------------------------------------------
+    def _launch(self, forced, n_steps: int, start: int, temperature: float = 0.0, seed: int = 0,
+                stop_ids=(), history: bool = False, trace: bool = False) -> None:
+        if start + n_steps > self.max_seq_len:
+            raise KiecError("context", start + n_steps, f"at most max_seq_len ({self.max_seq_len}) tokens")
+        self.kernel.launch(np.asarray(forced, dtype=np.uint32), n_steps, start, self.step_base, float(temperature),
+                           int(seed) & 0xFFFFFFFF, [int(t) for t in stop_ids][:8], history, trace, self.timeout_s)
+
+    def _finish(self) -> float:
+        record, ms = self.kernel.finish()
+        done = len(self.kernel.poll())
+        if record[0]:
+            self.step_base = 0
+            raise self._device_error(record)
+        self.step_base += done
+        return ms
+
+    def _device_error(self, record) -> DeviceError:
+        code, stage, layer, tile, block, target, seen, step = record
+        kinds = {1: "a counter wait timed out", 2: "a weight-ring wait timed out", 3: "an unknown stage kind"}
+        where = self.sched.stages[stage].name if stage < len(self.sched.stages) else f"stage {stage}"
+        return DeviceError("kernel", f"{kinds.get(code, f'error {code}')} in {where} (layer {layer}), tile {tile}, "
+                           f"block {block}, step {step}", "a launch that completes",
+                           f"waited for {target}, saw {seen}; the kernel stopped itself instead of hanging")
+
+    def forward(self, tokens, start: int) -> np.ndarray:
+        """Logits [vocab] after feeding `tokens` at positions start..; one launch for all of them."""
+        tokens = list(tokens)
+        self._launch(tokens, len(tokens), start)
+        self._finish()
+        return self.read_logits()
+
+    def read_logits(self) -> np.ndarray:
+        return self.kernel.read(REGION_ACTS, self.logits_offset, 4 * self.vocab).view(np.float32).copy()
+
+    def teacher_forced(self, tokens, start: int) -> np.ndarray:
+        """Logits [T, vocab] for every position of `tokens` (one launch, logits history on)."""
+        tokens = list(tokens)
+        self._launch(tokens, len(tokens), start, history=True)
+        self._finish()
+        raw = self.kernel.read(REGION_HISTORY, 0, 4 * self.vocab * len(tokens))
+        return raw.view(np.float32).reshape(len(tokens), self.vocab).copy()
+
+    def trace(self, token: int, pos: int) -> dict:
+        """One step with every stage's output kept: stage index -> array (lanes, n) or (n,)."""
+        from ..codegen import trace_layout
+        self._launch([token], 1, pos, trace=True)
+        self._finish()
+        layout, total = trace_layout(self.sched)
+        flat = self.kernel.read(REGION_TRACE, 0, 4 * total).view(np.float32)
+        return {i: flat[o:o + n * lanes].reshape(lanes, n) if lanes > 1 or self.sched.stages[i].kind != "lm_head"
+                else flat[o:o + n] for i, (o, n, lanes) in layout.items()}
+
+    def generate_on_device(self, prompt, start: int, max_new: int, temperature: float = 0.0, seed: int = 0,
+                           stop_ids=(), poll_s: float = 0.0002):
+        """One launch for the whole completion; yields tokens as the kernel writes them to host memory."""
+        prompt = list(prompt)
+        steps = min(len(prompt) - 1 + max_new, self.max_seq_len - start)
+        self._launch(prompt, steps, start, temperature, seed, stop_ids)
+        sent = len(prompt) - 1
+        try:
+            while True:
+                got = self.kernel.poll()
+                while sent < len(got):
+                    yield int(got[sent])
+                    sent += 1
+                if sent >= steps:
+                    break
+                if self._stopped(got, stop_ids, len(prompt)):
+                    break
+                time.sleep(poll_s)
+        finally:
+            self._finish()
+        got = self.kernel.poll()
+        for t in got[sent:]:
+            yield int(t)
+
+    @staticmethod
+    def _stopped(got, stop_ids, n_prompt: int) -> bool:
+        return len(got) >= n_prompt and int(got[-1]) in set(stop_ids)

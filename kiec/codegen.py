@@ -1,0 +1,128 @@
+"""codegen: Schedule + target table -> the source files of one model (Jinja2 templates).
+
+Templates see only the Schedule (as plain numbers prepared here), the target table and a
+few model constants. The result is a dict file name -> text: the portability header,
+the kernel with its host C API, the C API header, and the pybind11 module.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jinja2
+
+from . import __version__
+from .errors import KiecError
+from .ir.schedule import STAGE_KINDS, Schedule
+from .targets import Target
+
+TEMPLATES = Path(__file__).parent / "templates"
+NONE = 0xFFFFFFFF
+MODES = {"present": 0, "past": 1, "none": 2}
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+
+
+def trace_layout(sched: Schedule) -> tuple[dict, int]:
+    """Float offset (lane 0) and per-lane size of each stage's trace, and the total floats."""
+    cfg = sched.config
+    offsets, total = {}, 0
+    for s in sched.stages:
+        if s.kind in ("qkv", "attention"):
+            size, lanes = cfg["heads"] * cfg["head_dim"], sched.lanes
+        elif s.kind in ("attn_out", "down"):
+            size, lanes = cfg["hidden"], sched.lanes
+        elif s.kind == "gate_up":
+            size, lanes = s.gemv.rows // 2, sched.lanes
+        else:
+            size, lanes = cfg["vocab"], 1
+        offsets[s.index] = (total, size, lanes)
+        total += size * lanes
+    return offsets, total
+
+
+def _stage_entry(sched: Schedule, s, trace: dict) -> dict:
+    w, sync = sched.memory["weights"], sched.memory["sync"]
+    g = s.gemv
+    flags = 0
+    if s.attr("embed_input"):
+        flags |= 1
+    if s.attr("embed_residual"):
+        flags |= 2
+    if s.attr("per_lane_norm"):
+        flags |= 4
+    if s.attr("lane_sum"):
+        flags |= 8
+    if s.attr("bias"):
+        flags |= 16
+    prev = sched.stages[s.index - 1] if s.index else None
+    wait, wait_count = NONE, 0
+    if s.kind == "qkv" and s.layer > 0:
+        wait, wait_count = sync[f"lane.done.{prev.index}"][0], prev.tiles
+    elif s.kind == "attn_out":
+        wait, wait_count = sync[f"lane.done.{prev.index}"][0], prev.attr("kv_heads")
+    elif s.kind in ("gate_up", "down", "lm_head"):
+        wait, wait_count = sync[f"lane.done.{prev.index}"][0], prev.tiles
+    norm = {"qkv": "attn_norm", "gate_up": "ffn_norm"}.get(s.kind)
+    groups = tickets = 0
+    if s.kind == "qkv":
+        groups = sync[f"lane.group.{s.index}.0"][0]
+    if s.kind == "attention":
+        groups = sync[f"lane.group.{prev.index}.0"][0]
+        tickets = sync[f"lane.ticket.{s.index}.0"][0]
+    layer_prefix = f"lane.layers.{s.layer}."
+    return dict(
+        index=s.index, kind=s.kind, layer=s.layer, comment=STAGE_KINDS[s.kind],
+        kind_const="STAGE_" + s.kind.upper(), layer_value=s.layer if s.layer is not None else "NONE",
+        tiles=s.tiles, rotation=s.attr("rotation", 0), w_offset=g.offset if g else 0,
+        rows=g.rows if g else 0, cols=g.cols if g else 0, segments=g.segments if g else 0,
+        seg_width=g.seg_width if g else 0, rows_per_tile=g.rows_per_tile if g else 0,
+        norm_offset=w[layer_prefix + norm][0] if norm else 0,
+        bias_offset=w[layer_prefix + "qkv_bias"][0] if s.attr("bias") else "NONE",
+        eps=repr(float(s.attr("eps", 0.0))), flags=flags, mode=MODES[s.attr("mode", "present")],
+        delay=s.attr("delay", 0), q_rows=s.attr("q_rows", 0), kv_rows=s.attr("kv_rows", 0), window=s.attr("window", 0),
+        done=sync[f"lane.done.{s.index}"][0] if s.kind != "lm_head" else "NONE",
+        wait=wait if wait != NONE else "NONE", wait_count=wait_count, groups=groups, tickets=tickets,
+        signals=0, trace=trace[s.index][0])
+
+
+def render(sched: Schedule, target: Target, module_name: str) -> dict:
+    if sched.lanes > 1:
+        raise KiecError("lanes", sched.lanes, "1 on the GPU backend for now",
+                        "lanes run on the reference backend; the in-kernel lane protocol is not built yet")
+    cfg = sched.config
+    trace, trace_floats = trace_layout(sched)
+    stages = [_stage_entry(sched, s, trace) for s in sched.stages]
+    group_signals = []
+    for entry, s in zip(stages, sched.stages):
+        if s.kind == "attention":
+            entry["signals"] = len(group_signals)
+            group_signals.extend(s.attr("group_signals"))
+    att = next(s for s in sched.stages if s.kind == "attention")
+    w, a, kv, sy = (sched.memory[k] for k in ("weights", "acts", "kv", "sync"))
+    c = dict(hidden=cfg["hidden"], d_embed=-(-cfg["hidden"] // 8) * 8, head_dim=cfg["head_dim"],
+             group=att.attr("heads") // att.attr("kv_heads"), kv_heads=att.attr("kv_heads"), heads=att.attr("heads"),
+             vocab=cfg["vocab"], max_seq=cfg["max_seq_len"], layers=cfg["layers"], split_len=att.attr("split_len"),
+             splits=att.attr("splits"), bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes))
+    m = dict(w_embed=w["embed"][0], w_final_norm=w["final_norm"][0], w_rope=w["rope"][0],
+             w_lanes_base=w["__lanes_base"][0], w_lane_stride=w["__lane_stride"][0], w_total=w["__total"][0],
+             a_h=a["lane.h"][0], a_q=a["lane.q"][0], a_attn=a["lane.attn_out"][0], a_act=a["lane.act"][0],
+             a_part=a["lane.attn_partial"][0], a_lane_stride=a["__lane_stride"][0], a_logits=a["logits"][0],
+             a_lm_best=a["lm_best"][0], a_total=a["__total"][0],
+             kv_k=kv["k"][0], kv_v=kv["v"][0], kv_layer_stride=kv["__layer_stride"][0],
+             kv_lane_stride=kv["__lane_stride"][0], kv_total=kv["__total"][0],
+             s_abort=sy["abort"][0], s_error=sy["error"][0], s_select=sy["select"][0], s_lm_ticket=sy["lm_ticket"][0],
+             s_lane_stride=sy["__lane_stride"][0], s_total=sy["__total"][0])
+    context = dict(model=sched.model, version=__version__, target=target, grid=sched.grid, c=c, m=m,
+                   stages=stages, stage_kinds=[(k, i) for i, k in enumerate(STAGE_KINDS)],
+                   group_signals=group_signals or [0], trace_floats=trace_floats, module_name=module_name)
+    env = _env()
+    return {
+        "kiec_port.h": env.get_template("port.h.j2").render(target=target),
+        "kiec_api.h": env.get_template("api.h.j2").render(**context),
+        "kernel.hip": env.get_template("kernel.hip.j2").render(**context),
+        "module.cpp": env.get_template("module.cpp.j2").render(**context),
+    }

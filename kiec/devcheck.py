@@ -1,0 +1,173 @@
+"""One device run: build, check and time the monokernel on random-weight models in one go.
+
+    python -m kiec.devcheck --out DIR [--models tiny-llama,llama-3.2-1b,...] [--bench]
+
+For each model it builds the kernel (in parallel), uploads random weights, and checks:
+per-stage trace against the Python twin over the first positions (the first stage over
+tolerance names the bug), teacher-forced logits against the twin, bitwise determinism of
+two identical runs, and that one launch for a whole sequence selects the same tokens as
+one launch per step. With --bench it measures the read bandwidth and ms/token. It prints
+a short table last and writes everything to DIR/devcheck.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_MODELS = "tiny-llama,tiny-qwen2,tiny-mistral,llama-3.2-1b,qwen2.5-1.5b"
+SEQ = {"tiny-llama": 512, "tiny-qwen2": 512, "tiny-mistral": 600, "llama-3.2-1b": 8192, "qwen2.5-1.5b": 1024}
+
+
+def model_spec(name: str, root: Path):
+    from .model import load_spec
+    from .synthetic import preset
+    cfg = preset(name)
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return load_spec({"name": name, "weights": str(folder), "max_seq_len": SEQ.get(name, 1024)}), cfg
+
+
+def check_model(name, spec, cfg, compiled, bench: bool, log) -> dict:
+    from .golden import logit_errors, rel_err, stage_diffs
+    from .pack import pack_weights
+    from .reference.twin import Twin
+    from .runtime.gpu import GpuBackend
+    from .synthetic import random_checkpoint
+    from .weights import materialize
+    out = {"model": name, "build_s": round(compiled.build_s, 1), "report": compiled.build.report}
+    t0 = time.perf_counter()
+    ckpt = random_checkpoint(cfg, seed=7)
+    backend = GpuBackend(spec, checkpoint=ckpt, compiled=compiled, timeout_s=3.0)
+    arrays = {t.name: materialize(ckpt, t) for t in compiled.graph.weights()}
+    blob = pack_weights(compiled.sched, arrays, spec.config, spec.max_seq_len, spec.dtype)
+    del arrays
+    twin = Twin(compiled.sched, blob, spec.config, spec.max_seq_len, spec.dtype)
+    out["upload_s"] = round(time.perf_counter() - t0, 1)
+    rng = np.random.default_rng(0)
+    vocab = spec.config.vocab
+    big = spec.config.hidden >= 1024
+    # 1. per-stage trace over the first positions
+    worst: dict = {}
+    first_bad = None
+    positions = 3 if big else 6
+    for pos in range(positions):
+        token = int(rng.integers(vocab))
+        for stage, err in stage_diffs(backend, twin, token, pos):
+            kind = stage.split("[")[0]
+            worst[kind] = max(worst.get(kind, 0.0), err)
+            if first_bad is None and not err < 2e-2:
+                first_bad = f"{stage} at pos {pos}: {err:.3g}"
+    out["stage_err"] = {k: float(f"{v:.3g}") for k, v in worst.items()}
+    out["first_bad_stage"] = first_bad
+    log(f"{name}: stage errors {out['stage_err']} first bad {first_bad}")
+    # 2. teacher-forced logits against the twin
+    steps = 8 if big else 64
+    start = positions
+    tokens = [int(t) for t in rng.integers(vocab, size=steps)]
+    got = backend.teacher_forced(tokens, start)
+    want = np.stack([twin.step(t, start + i)[0] for i, t in enumerate(tokens)])
+    errs, agree = logit_errors(got, want)
+    out["tf_max_err"] = float(f"{errs.max():.3g}")
+    out["tf_argmax_agree"] = agree
+    # 3. determinism: the same launch twice, bitwise
+    again = backend.teacher_forced(tokens, start)
+    out["bitwise_repeat"] = bool(np.array_equal(got.view(np.uint32), again.view(np.uint32)))
+    # 4. one launch per sequence selects what one launch per step selects
+    prompt = tokens[:4]
+    n_new = 16
+    device_tokens = list(backend.generate_on_device(prompt, start, n_new))
+    logits = backend.forward(prompt, start)
+    host_tokens = []
+    for i in range(n_new):
+        host_tokens.append(int(np.argmax(logits)))
+        if i < n_new - 1:
+            logits = backend.forward([host_tokens[-1]], start + len(prompt) + i)
+    out["device_loop_equal"] = device_tokens == host_tokens
+    if not out["device_loop_equal"]:
+        out["device_tokens"], out["host_tokens"] = device_tokens, host_tokens
+    log(f"{name}: tf err {out['tf_max_err']} agree {agree} repeat {out['bitwise_repeat']} loop {out['device_loop_equal']}")
+    if bench:
+        out.update(time_model(backend, spec))
+    return out
+
+
+def time_model(backend, spec) -> dict:
+    """ms/token: one launch per step, and one launch for 256 steps, at short context."""
+    res = {}
+    start = 16
+    per_step = []
+    for i in range(40):
+        backend._launch([1 + i], 1, start + i)
+        per_step.append(backend._finish())
+    res["ms_per_token_launch_per_step"] = float(np.median(per_step[10:]))
+    backend._launch([1], 256, 128)
+    ms = backend._finish()
+    res["ms_per_token_one_launch"] = ms / 256
+    if spec.max_seq_len >= 8192:
+        backend._launch([1], 64, 8192 - 64)
+        res["ms_per_token_ctx8192"] = backend._finish() / 64
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=DEFAULT_MODELS)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--bench", action="store_true")
+    args = ap.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    logf = open(out_dir / "devcheck.log", "w")
+
+    def log(msg):
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+    from .runtime.gpu import CompiledModel, device_multiprocessors
+    sms = device_multiprocessors()
+    log(f"device multiprocessors: {sms}")
+    results = {"multiprocessors": sms}
+    if args.bench:
+        from .probe import read_bandwidth
+        results["bandwidth"] = read_bandwidth()
+        log(f"read bandwidth: {results['bandwidth']['median_bps'] / 1e12:.3f} TB/s median, "
+            f"{results['bandwidth']['best_bps'] / 1e12:.3f} best")
+    root = Path(tempfile.mkdtemp(prefix="kiec-devcheck-"))
+    names = args.models.split(",")
+    specs = {n: model_spec(n, root) for n in names}
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        futures = {n: pool.submit(CompiledModel, specs[n][0], sms, root / "build", True) for n in names}
+    results["models"] = []
+    for n in names:
+        try:
+            compiled = futures[n].result()
+            log(f"{n}: built in {compiled.build_s:.1f} s; {compiled.build.report.splitlines()[-1]}")
+            results["models"].append(check_model(n, *specs[n], compiled, args.bench, log))
+        except Exception as err:
+            log(f"{n}: FAILED {type(err).__name__}: {err}")
+            log(traceback.format_exc())
+            results["models"].append({"model": n, "error": f"{type(err).__name__}: {err}"[:2000]})
+        (out_dir / "devcheck.json").write_text(json.dumps(results, indent=1, default=str))
+    print("\nmodel            stage-err(max)  first-bad                tf-err   agree  repeat loop   ms/tok(step) ms/tok(seq)")
+    for r in results["models"]:
+        if "error" in r:
+            print(f"{r['model']:<16} ERROR {r['error'][:100]}")
+            continue
+        se = max(r["stage_err"].values())
+        print(f"{r['model']:<16} {se:<15.3g} {str(r['first_bad_stage'])[:24]:<24} {r['tf_max_err']:<8.3g} "
+              f"{r['tf_argmax_agree']:<6.2f} {str(r['bitwise_repeat']):<6} {str(r['device_loop_equal']):<6} "
+              f"{r.get('ms_per_token_launch_per_step', float('nan')):<12.4f} {r.get('ms_per_token_one_launch', float('nan')):.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

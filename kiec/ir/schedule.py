@@ -1,0 +1,129 @@
+"""ir.Schedule: the fused stages of one decode step, placed on a persistent grid.
+
+A stage is a group of graph ops the kernel runs as one unit of work with one
+dependency point. Most stages stream a weight matrix (a GEMV): the block's tiles are
+row ranges of it, cut into `units` (a segment of a row, at most SEG_MAX elements) that
+travel through a ring of shared-memory slots. STAGE_KINDS is the one table of stage
+kinds: codegen emits the C++ enum from it, so the numbers never drift.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+# kind -> what the stage computes (the C++ side switches on the index)
+STAGE_KINDS = {
+    "qkv": "rms_norm(h) . [Wq; Wk; Wv] (+bias), RoPE on q and k, k and v appended to the KV cache",
+    "attention": "decode attention of each KV head's query group over the cache, split along the sequence",
+    "attn_out": "attention output . Wo, lane reduce, residual add",
+    "gate_up": "rms_norm(h) . [Wgate; Wup] interleaved by rows, silu(gate) * up",
+    "down": "act . Wdown, lane reduce, residual add",
+    "lm_head": "final rms_norm (mean over lanes) . Wlm_head, per-tile best, the last tile selects the token",
+}
+STAGE_OPCODES = {name: i for i, name in enumerate(STAGE_KINDS)}
+
+SEG_MAX = 1024        # elements of one unit: a row segment one warp reduces in one go
+
+
+@dataclass(frozen=True)
+class Gemv:
+    """The weight matrix a stage streams, as memplan packed it (per lane)."""
+    rows: int               # packed rows
+    cols: int               # logical input width
+    segments: int           # a row is `segments` units of `seg_width` elements
+    seg_width: int
+    offset: int = 0         # byte offset of lane 0's packed matrix in the weight blob
+    rows_per_tile: int = 0  # set by schedule
+
+    @property
+    def stride(self) -> int:
+        return self.segments * self.seg_width
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.seg_width * 2
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * self.stride * 2
+
+
+def gemv_shape(rows: int, cols: int, row_multiple: int = 1) -> Gemv:
+    segments = -(-cols // SEG_MAX)
+    seg_width = -(-cols // segments)
+    seg_width = -(-seg_width // 8) * 8          # 16-byte units
+    return Gemv(rows=rows, cols=cols, segments=segments, seg_width=seg_width)
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    kind: str
+    layer: int | None
+    ops: tuple                      # indices into graph.ops
+    gemv: Gemv | None = None
+    tiles: int = 0                  # per lane
+    attrs: tuple = ()               # sorted (key, value) pairs, kind-specific
+
+    def attr(self, key, default=None):
+        return dict(self.attrs).get(key, default)
+
+    @property
+    def opcode(self) -> int:
+        return STAGE_OPCODES[self.kind]
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}" + (f"[layer {self.layer}]" if self.layer is not None else "")
+
+
+@dataclass(frozen=True)
+class Grid:
+    blocks: int                     # persistent blocks (one per multiprocessor)
+    lanes: int
+    consumer_warps: int
+    warp_size: int
+    slot_bytes: int
+    slots: int
+    scratch_bytes: int
+
+    @property
+    def blocks_per_lane(self) -> int:
+        return self.blocks // self.lanes
+
+    @property
+    def threads(self) -> int:
+        return (self.consumer_warps + 1) * self.warp_size
+
+
+@dataclass
+class Schedule:
+    """Everything codegen needs: stages in order, the grid, and memplan's offsets."""
+    model: str
+    arch: str
+    lanes: int
+    stages: list
+    grid: Grid | None = None
+    config: dict = field(default_factory=dict)      # the ArchConfig facts templates use
+    memory: dict = field(default_factory=dict)      # memplan: buffer -> (offset, bytes), per region
+    packing: list = field(default_factory=list)     # memplan: how each weight lands in the blob
+
+    def gemv_stages(self):
+        return [s for s in self.stages if s.gemv is not None]
+
+    def dump(self) -> str:
+        lines = [f"schedule {self.model} ({self.arch}) lanes={self.lanes} grid={self.grid}"]
+        for s in self.stages:
+            g = s.gemv
+            shape = (f" gemv {g.rows}x{g.cols} seg {g.segments}x{g.seg_width} rows/tile {g.rows_per_tile}"
+                     f" @ {g.offset}" if g else "")
+            attrs = " ".join(f"{k}={v}" for k, v in s.attrs)
+            lines.append(f"  {s.index:3d} {s.name:<22} tiles={s.tiles}{shape} {attrs}".rstrip())
+        for region, buffers in self.memory.items():
+            for name, (offset, size) in buffers.items():
+                lines.append(f"  mem {region}.{name} @ {offset} ({size} bytes)")
+        return "\n".join(lines) + "\n"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)

@@ -1,0 +1,142 @@
+"""memplan: byte offsets of every weight, activation, cache line and counter.
+
+Needs: a scheduled Schedule (tiles known).
+Guarantees four regions, each a dict name -> (offset, bytes), 256-byte aligned:
+- `weights`: the blob uploaded once. First the shared part (embedding, LM head, final
+  norm, RoPE table), then one region per lane (`lane_stride` bytes apart) with, per
+  layer, the norms (fp32), the packed Q/K/V matrix (Q and K rows of each head reordered
+  so RoPE pairs are adjacent), its bias (fp32), O, the gate/up matrix interleaved by row
+  (gate j, up j, ...) and down. Matrices are bf16/fp16 rows padded to `stride` elements.
+  `packing` says how each entry is built from the graph's weights (kiec.pack applies it).
+- `acts`: fp32 activations, per lane (`lane_stride` apart) then shared (logits, ...).
+- `kv`: the KV cache per lane, [layer][kv head][position][head_dim], 16-bit.
+- `sync`: counters and flags, each on its own 128-byte line; shared ones first.
+The plan is plain data: the kernel's constants and the host's uploads both come from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..ir.schedule import Schedule
+
+ALIGN = 256
+LINE = 128
+
+
+class _Region:
+    def __init__(self, align: int = ALIGN):
+        self.entries, self.size, self.align = {}, 0, align
+
+    def add(self, name: str, nbytes: int) -> int:
+        offset = self.size
+        self.entries[name] = (offset, int(nbytes))
+        self.size = -(-(offset + int(nbytes)) // self.align) * self.align
+        return offset
+
+
+def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Schedule:
+    lanes = sched.lanes
+    esize = 2
+    hd = cfg.head_dim
+    d_embed = -(-cfg.hidden // 8) * 8
+    packing: list = []
+
+    # --- weights: shared part ---
+    shared = _Region()
+    shared.add("embed", cfg.vocab * d_embed * esize)
+    packing.append(dict(name="embed", kind="matrix", sources=["embed"], rows=cfg.vocab, stride=d_embed, lane=None))
+    stages = list(sched.stages)
+    lm = next(s for s in stages if s.kind == "lm_head")
+    if lm.gemv.stride == d_embed and cfg.tie_embeddings:
+        lm_offset = shared.entries["embed"][0]        # tied and the same padding: one copy serves both
+    else:
+        lm_offset = shared.add("lm_head", lm.gemv.bytes)
+        packing.append(dict(name="lm_head", kind="matrix", sources=list(lm.attr("weights")), rows=lm.gemv.rows,
+                            stride=lm.gemv.stride, lane=None))
+    stages[lm.index] = dataclasses.replace(lm, gemv=dataclasses.replace(lm.gemv, offset=lm_offset))
+    norm_bytes = 4 * cfg.hidden * (lanes if lm.attr("per_lane_norm") else 1)
+    shared.add("final_norm", norm_bytes)
+    packing.append(dict(name="final_norm", kind="fp32", sources=[lm.attr("norm")], lane=None))
+    shared.add("rope", max_seq_len * (hd // 2) * 2 * 4)
+    packing.append(dict(name="rope", kind="rope", sources=[], lane=None))
+
+    # --- weights: one region per lane ---
+    lane = _Region()
+    for s in stages:
+        p = f"layers.{s.layer}."
+        if s.kind in ("qkv", "gate_up"):
+            norm_name = p + ("attn_norm" if s.kind == "qkv" else "ffn_norm")
+            lane.add(norm_name, 4 * cfg.hidden)
+            packing.append(dict(name=norm_name, kind="fp32_lane", sources=[s.attr("norm")], lane=True))
+        if s.gemv is None or s.kind == "lm_head":
+            continue
+        name = p + s.kind
+        offset = lane.add(name, s.gemv.bytes)
+        stages[s.index] = dataclasses.replace(s, gemv=dataclasses.replace(s.gemv, offset=offset))
+        kind = {"qkv": "qkv", "gate_up": "interleave"}.get(s.kind, "matrix")
+        packing.append(dict(name=name, kind=kind, sources=list(s.attr("weights")), rows=s.gemv.rows,
+                            stride=s.gemv.stride, lane=True, head_dim=hd, pairs=s.attr("pairs")))
+        if s.kind == "qkv" and s.attr("bias"):
+            lane.add(p + "qkv_bias", 4 * s.gemv.rows)
+            packing.append(dict(name=p + "qkv_bias", kind="qkv_bias", sources=list(s.attr("biases")),
+                                rows=s.gemv.rows, lane=True, head_dim=hd, pairs=s.attr("pairs")))
+    weights = {name: entry for name, entry in shared.entries.items()}
+    lanes_base = shared.size
+    for name, (offset, nbytes) in lane.entries.items():
+        weights["lane." + name] = (offset, nbytes)
+    weights["__lanes_base"] = (lanes_base, 0)
+    weights["__lane_stride"] = (lane.size, 0)
+    weights["__total"] = (lanes_base + lanes * lane.size, 0)
+    # lane-relative gemv offsets become absolute for lane 0
+    for i, s in enumerate(stages):
+        if s.gemv is not None and s.kind != "lm_head":
+            stages[i] = dataclasses.replace(s, gemv=dataclasses.replace(s.gemv, offset=lanes_base + s.gemv.offset))
+
+    # --- activations (fp32) ---
+    att = next(s for s in stages if s.kind == "attention")
+    group = att.attr("heads") // att.attr("kv_heads")
+    lane_acts = _Region()
+    lane_acts.add("h", 4 * cfg.hidden)
+    lane_acts.add("q", 4 * att.attr("heads") * hd)
+    lane_acts.add("attn_out", 4 * att.attr("heads") * hd)
+    lane_acts.add("act", 4 * max(s.attr("ffn") for s in stages if s.kind == "gate_up"))
+    lane_acts.add("attn_partial", 4 * att.attr("kv_heads") * att.attr("splits") * group * (hd + 2))
+    shared_acts = _Region()
+    shared_acts.add("logits", 4 * cfg.vocab)
+    shared_acts.add("lm_best", 8 * stages[lm.index].tiles)
+    shared_acts.add("x_final", 4 * cfg.hidden)
+    acts = {"lane." + k: v for k, v in lane_acts.entries.items()}
+    acts["__lane_stride"] = (lane_acts.size, 0)
+    base = lanes * lane_acts.size
+    acts.update({k: (base + o, n) for k, (o, n) in shared_acts.entries.items()})
+    acts["__total"] = (base + shared_acts.size, 0)
+
+    # --- KV cache (16-bit) ---
+    per_layer = att.attr("kv_heads") * max_seq_len * hd * esize
+    kv = {"k": (0, cfg.layers * per_layer), "v": (cfg.layers * per_layer, cfg.layers * per_layer),
+          "__layer_stride": (per_layer, 0), "__lane_stride": (2 * cfg.layers * per_layer, 0),
+          "__total": (lanes * 2 * cfg.layers * per_layer, 0)}
+
+    # --- counters and flags, one 128-byte line each ---
+    sync = _Region(align=LINE)
+    for name in ("abort", "error", "select", "lm_ticket"):
+        sync.add(name, LINE)
+    lane_sync = _Region(align=LINE)
+    for s in stages:
+        if s.kind == "lm_head":
+            continue
+        lane_sync.add(f"done.{s.index}", LINE)
+        if s.kind == "qkv":
+            for j in range(stages[s.index + 1].attr("kv_heads")):
+                lane_sync.add(f"group.{s.index}.{j}", LINE)
+        if s.kind == "attention":
+            for j in range(s.attr("kv_heads")):
+                lane_sync.add(f"ticket.{s.index}.{j}", LINE)
+    sync_map = dict(sync.entries)
+    sync_map.update({"lane." + k: (sync.size + o, n) for k, (o, n) in lane_sync.entries.items()})
+    sync_map["__lane_stride"] = (lane_sync.size, 0)
+    sync_map["__total"] = (sync.size + lanes * lane_sync.size, 0)
+
+    memory = {"weights": weights, "acts": acts, "kv": kv, "sync": sync_map}
+    config = dict(sched.config, max_seq_len=max_seq_len, dtype=dtype)
+    return dataclasses.replace(sched, stages=stages, memory=memory, packing=packing, config=config)

@@ -1,0 +1,120 @@
+"""schedule: place every stage's tiles on the persistent grid and size the weight ring.
+
+Needs: fused stages (after `fuse`), the target and the device's multiprocessor count.
+Guarantees:
+- the grid is one block per multiprocessor, split evenly over the lanes (a lane's
+  stages run on its own blocks; the LM head runs on the whole grid);
+- a GEMV stage's rows are cut into contiguous tiles of `rows_per_tile` rows (even
+  where rows come in pairs: RoPE pairs, gate/up pairs), at most one tile per block
+  of the lane, so a stage finishes in one pass over the grid;
+- an attention stage has one tile per (KV head, split of SPLIT_LEN positions); only
+  the splits the current context reaches do work;
+- tile t of a stage runs on block (t + rotation) % blocks, the rotation carrying on
+  from the previous stage, so small stages land on different blocks;
+- shared memory holds the ring of weight slots plus one scratch area (input vector,
+  partial sums, attention scratch) that fits the largest stage.
+Dependencies are implied by stage order: a GEMV tile waits for every tile of the
+stage before it; an attention tile only for the qkv tiles that cover its KV group.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import KiecError
+from ..ir.schedule import Grid, Schedule, Stage
+from ..targets import Target
+
+SPLIT_LEN = 256          # key positions per attention tile
+BARRIER_BYTES = 1024     # mbarriers and block-local flags
+
+
+def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None, max_seq_len: int = 4096,
+             consumer_warps: int | None = None) -> Schedule:
+    lanes = sched.lanes
+    blocks = multiprocessors or target.multiprocessors
+    blocks -= blocks % lanes
+    if blocks < lanes:
+        raise KiecError("lanes", lanes, f"at most the device's {blocks} multiprocessors")
+    warps = consumer_warps or (8 if target.warp_size == 32 else 4)
+    per_lane = blocks // lanes
+    stages = []
+    for s in sched.stages:
+        if s.gemv is not None:
+            row_multiple = 2 if s.kind in ("qkv", "gate_up") else 1
+            grid_blocks = blocks if s.kind == "lm_head" else per_lane
+            rows_per_tile = -(-s.gemv.rows // grid_blocks)
+            rows_per_tile = -(-rows_per_tile // row_multiple) * row_multiple
+            tiles = -(-s.gemv.rows // rows_per_tile)
+            gemv = dataclasses.replace(s.gemv, rows_per_tile=rows_per_tile)
+            stages.append(dataclasses.replace(s, gemv=gemv, tiles=tiles))
+        elif s.kind == "attention":
+            splits = -(-max_seq_len // SPLIT_LEN)
+            attrs = dict(s.attrs, splits=splits, split_len=SPLIT_LEN)
+            stages.append(dataclasses.replace(s, tiles=s.attr("kv_heads") * splits,
+                                              attrs=tuple(sorted(attrs.items()))))
+        else:
+            raise KiecError("ir", s.kind, "a stage kind the scheduler knows")
+    stages = _rotate(stages, per_lane, blocks)
+    stages = _attention_waits(stages)
+    scratch = max(_scratch_bytes(s, warps) for s in stages)
+    slot_bytes = target.slot_bytes
+    slots = (target.smem_bytes - scratch - BARRIER_BYTES) // slot_bytes
+    if slots < 2:
+        raise KiecError("model", f"{scratch} bytes of scratch", f"a model whose widest stage leaves room for "
+                        f"two {slot_bytes}-byte weight slots in {target.smem_bytes} bytes of shared memory")
+    for s in stages:
+        if s.gemv is not None and s.gemv.unit_bytes > slot_bytes:
+            raise KiecError("ir", s.name, f"units of at most {slot_bytes} bytes")
+    grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
+                slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch)
+    return dataclasses.replace(sched, stages=stages, grid=grid)
+
+
+def _rotate(stages: list, per_lane: int, blocks: int) -> list:
+    out, rotation = [], 0
+    for s in stages:
+        width = blocks if s.kind == "lm_head" else per_lane
+        out.append(dataclasses.replace(s, attrs=tuple(sorted(dict(s.attrs, rotation=rotation % width).items()))))
+        rotation += s.tiles
+    return out
+
+
+def qkv_group_rows(stage: Stage, group: int) -> list:
+    """The packed row ranges of a qkv stage that KV group `group` reads: its query heads, its k and its v."""
+    q_rows, kv_rows, hd = stage.attr("q_rows"), stage.attr("kv_rows"), stage.attr("head_dim")
+    q_per_group = q_rows // (kv_rows // hd)
+    return [(group * q_per_group, (group + 1) * q_per_group),
+            (q_rows + group * hd, q_rows + (group + 1) * hd),
+            (q_rows + kv_rows + group * hd, q_rows + kv_rows + (group + 1) * hd)]
+
+
+def qkv_tiles_of_group(stage: Stage, group: int) -> list:
+    """Indices of the qkv tiles whose rows a KV group reads."""
+    rpt = stage.gemv.rows_per_tile
+    tiles = set()
+    for lo, hi in qkv_group_rows(stage, group):
+        tiles.update(range(lo // rpt, (hi - 1) // rpt + 1))
+    return sorted(tiles)
+
+
+def _attention_waits(stages: list) -> list:
+    """Each attention stage learns how many qkv tiles signal each of its KV groups."""
+    out = []
+    for s in stages:
+        if s.kind == "attention":
+            qkv = stages[s.index - 1]
+            counts = tuple(len(qkv_tiles_of_group(qkv, j)) for j in range(s.attr("kv_heads")))
+            s = dataclasses.replace(s, attrs=tuple(sorted(dict(s.attrs, group_signals=counts).items())))
+        out.append(s)
+    return out
+
+
+def _scratch_bytes(s: Stage, warps: int) -> int:
+    """Shared memory one stage's consumers need beside the ring."""
+    if s.gemv is not None:
+        g = s.gemv
+        return 4 * g.stride + 4 * g.rows_per_tile * g.segments + 4 * 64
+    group = s.attr("heads") // s.attr("kv_heads")
+    hd = s.attr("head_dim")
+    floats = group * hd + group * s.attr("split_len") + warps * group * hd + 4 * group + 64
+    return 4 * floats
