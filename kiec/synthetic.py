@@ -39,6 +39,9 @@ PRESETS = {
     "tiny-llama": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, intermediate_size=128, vocab_size=256, max_position_embeddings=512,
                        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=96, num_hidden_layers=2, num_attention_heads=6,
+                       num_key_value_heads=2, intermediate_size=160, vocab_size=333, max_position_embeddings=1024,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False),
     "tiny-mistral": dict(model_type="mistral", hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
                          num_key_value_heads=1, head_dim=32, intermediate_size=256, vocab_size=300,
                          max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5,
@@ -99,3 +102,13 @@ def write_random_model(folder, config, seed: int = 0, dtype: str = "bf16") -> Pa
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     write_safetensors(folder / "model.safetensors", random_tensors(config, seed, dtype))
     return folder
+
+
+def random_checkpoint(config: dict, seed: int = 0, dtype: str = "bf16"):
+    """The same random weights as write_random_model, in memory: a kiec.weights.Checkpoint."""
+    from .weights import Checkpoint, WeightStore
+    arch = {"laneformer_tp": "laneformer"}.get(config["model_type"], config["model_type"])
+    tensors = random_tensors(config, seed, dtype)
+    entries = {name: (a.shape, a.dtype.name) for name, a in tensors.items()}
+    loaders = {name: (lambda a=a: a) for name, a in tensors.items()}
+    return Checkpoint(WeightStore(entries, loaders, f"<random seed {seed}>"), arch_config(arch, config))
