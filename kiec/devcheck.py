@@ -97,6 +97,7 @@ def check_model(name, spec, cfg, compiled, bench: bool, log) -> dict:
     log(f"{name}: tf err {out['tf_max_err']} agree {agree} repeat {out['bitwise_repeat']} loop {out['device_loop_equal']}")
     if bench:
         out.update(time_model(backend, spec))
+        log(out["profile_text"])
     return out
 
 
@@ -115,6 +116,14 @@ def time_model(backend, spec) -> dict:
     if spec.max_seq_len >= 8192:
         backend._launch([1], 64, 8192 - 64)
         res["ms_per_token_ctx8192"] = backend._finish() / 64
+    prof = backend.profile([1], 200)
+    res["profile"] = prof
+    ghz = 1.98
+    lines = [f"  {k:<10} x{v['stages']:<4} tiles {v['tiles']:<6} wait {v['wait'] / ghz / 1e3:7.2f} us  prologue "
+             f"{v['prologue'] / ghz / 1e3:6.2f}  stream {v['stream'] / ghz / 1e3:6.2f}  epilogue {v['epilogue'] / ghz / 1e3:6.2f}"
+             f"  (critical wait {v['critical_wait'] / ghz / 1e3:.2f})" for k, v in prof["kinds"].items()]
+    res["profile_text"] = "\n".join([f"  profile (cycles at {ghz} GHz as us), launch {prof['launch_ms']:.3f} ms, producer "
+                                      f"waits {prof['producer_wait_cycles_per_slot'] / ghz / 1e3:.2f} us per slot"] + lines)
     return res
 
 

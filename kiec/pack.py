@@ -96,5 +96,5 @@ def pack_weights(sched, arrays: dict, cfg, max_seq_len: int, dtype: str = "bf16"
                 else:
                     put(offset, _padded(_lane_rows(entry, arrays, lane), entry["stride"], half))
         if progress:
-            progress(n + 1, len(sched.packing))
+            progress("pack weights", n + 1, len(sched.packing))
     return blob

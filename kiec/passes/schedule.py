@@ -7,8 +7,9 @@ Guarantees:
 - a GEMV stage's rows are cut into contiguous tiles of `rows_per_tile` rows (even
   where rows come in pairs: RoPE pairs, gate/up pairs), at most one tile per block
   of the lane, so a stage finishes in one pass over the grid;
-- an attention stage has one tile per (KV head, split of SPLIT_LEN positions); only
-  the splits the current context reaches do work;
+- an attention stage has one tile per (KV head, split of positions); a split is one batch
+  of every consumer warp (warps x keys a warp reads at once x rows a lane loads), so a tile
+  costs one memory latency; only the splits the current context reaches do work;
 - tile t of a stage runs on block (t + rotation) % blocks, the rotation carrying on
   from the previous stage, so small stages land on different blocks;
 - shared memory holds the ring of weight slots plus one scratch area (input vector,
@@ -24,7 +25,6 @@ from ..errors import KiecError
 from ..ir.schedule import Grid, Schedule, Stage
 from ..targets import Target
 
-SPLIT_LEN = 256          # key positions per attention tile
 BARRIER_BYTES = 1024     # mbarriers and block-local flags
 
 
@@ -48,8 +48,15 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             gemv = dataclasses.replace(s.gemv, rows_per_tile=rows_per_tile)
             stages.append(dataclasses.replace(s, gemv=gemv, tiles=tiles))
         elif s.kind == "attention":
-            splits = -(-max_seq_len // SPLIT_LEN)
-            attrs = dict(s.attrs, splits=splits, split_len=SPLIT_LEN)
+            lanes_per_key = 1 << (max(1, s.attr("head_dim") // 8) - 1).bit_length()
+            if lanes_per_key > target.warp_size:
+                raise KiecError("config.head_dim", s.attr("head_dim"), f"at most {8 * target.warp_size} on {target.name}")
+            # registers hold rows x 2 loads and group x 8 accumulators: fewer rows for bigger groups
+            group = s.attr("heads") // s.attr("kv_heads")
+            rows = 4 if group <= 2 else 2 if group <= 6 else 1
+            split_len = warps * (target.warp_size // lanes_per_key) * rows
+            splits = -(-max_seq_len // split_len)
+            attrs = dict(s.attrs, splits=splits, split_len=split_len, rows=rows)
             stages.append(dataclasses.replace(s, tiles=s.attr("kv_heads") * splits,
                                               attrs=tuple(sorted(attrs.items()))))
         else:
@@ -113,8 +120,11 @@ def _scratch_bytes(s: Stage, warps: int) -> int:
     """Shared memory one stage's consumers need beside the ring."""
     if s.gemv is not None:
         g = s.gemv
-        return 4 * g.stride + 4 * g.rows_per_tile * g.segments + 4 * 64
+        partials = g.rows_per_tile * g.segments
+        if s.kind == "lm_head":                 # one lane's raw h sits where the partials go later
+            partials = max(partials, g.cols)
+        return 4 * g.stride + 4 * partials + 4 * 64
     group = s.attr("heads") // s.attr("kv_heads")
     hd = s.attr("head_dim")
-    floats = group * hd + group * s.attr("split_len") + warps * group * hd + 4 * group + 64
+    floats = group * hd + warps * group * hd + 2 * warps * group + 64
     return 4 * floats

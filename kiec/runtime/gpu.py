@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import DeviceError, KiecError
 from ..model import ModelSpec
 
-REGION_ACTS, REGION_KV, REGION_HISTORY, REGION_TRACE, REGION_TOKENS = 0, 1, 2, 3, 4
+REGION_ACTS, REGION_KV, REGION_HISTORY, REGION_TRACE, REGION_TOKENS, REGION_PROFILE = 0, 1, 2, 3, 4, 5
 
 
 def gpu_available() -> bool:
@@ -98,11 +98,12 @@ class GpuBackend:
 
     # --- launches ---------------------------------------------------------------------------------
     def _launch(self, forced, n_steps: int, start: int, temperature: float = 0.0, seed: int = 0,
-                stop_ids=(), history: bool = False, trace: bool = False) -> None:
+                stop_ids=(), history: bool = False, trace: bool = False, profile: bool = False) -> None:
         if start + n_steps > self.max_seq_len:
             raise KiecError("context", start + n_steps, f"at most max_seq_len ({self.max_seq_len}) tokens")
         self.kernel.launch(np.asarray(forced, dtype=np.uint32), n_steps, start, self.step_base, float(temperature),
-                           int(seed) & 0xFFFFFFFF, [int(t) for t in stop_ids][:8], history, trace, self.timeout_s)
+                           int(seed) & 0xFFFFFFFF, [int(t) for t in stop_ids][:8], history, trace, profile,
+                           self.timeout_s)
 
     def _finish(self) -> float:
         record, ms = self.kernel.finish()
@@ -148,6 +149,29 @@ class GpuBackend:
         flat = self.kernel.read(REGION_TRACE, 0, 4 * total).view(np.float32)
         return {i: flat[o:o + n * lanes].reshape(lanes, n) if lanes > 1 or self.sched.stages[i].kind != "lm_head"
                 else flat[o:o + n] for i, (o, n, lanes) in layout.items()}
+
+    def profile(self, tokens, start: int) -> dict:
+        """Where step 0 of a launch spends its cycles: per stage kind, the mean over tiles of
+        wait / prologue / stream / epilogue cycles, the tiles, and the producer's stall share."""
+        tokens = list(tokens)
+        self._launch(tokens, len(tokens), start, profile=True)
+        ms = self._finish()
+        stages, grid = len(self.sched.stages), self.sched.grid.blocks
+        raw = self.kernel.read(REGION_PROFILE, 0, 8 * (stages * grid * 5 + 2 * grid)).view(np.uint64)
+        per = raw[: stages * grid * 5].reshape(stages, grid, 5).astype(np.float64)
+        producer = raw[stages * grid * 5:].reshape(grid, 2).astype(np.float64)
+        out = {"launch_ms": ms, "kinds": {}}
+        for kind in sorted({s.kind for s in self.sched.stages}):
+            rows = [s.index for s in self.sched.stages if s.kind == kind]
+            block = per[rows]                                  # [stages of this kind, blocks, 5]
+            tiles = block[..., 4].sum()
+            out["kinds"][kind] = {"stages": len(rows), "tiles": int(tiles),
+                                  **{name: float(block[..., i].sum() / max(tiles, 1)) for i, name in
+                                     enumerate(("wait", "prologue", "stream", "epilogue"))},
+                                  "critical_wait": float(np.mean(block[..., 0].max(axis=1)))}
+        out["producer_wait_cycles_per_slot"] = float(producer[:, 0].sum() / max(producer[:, 1].sum(), 1))
+        out["producer_slots"] = int(producer[:, 1].sum())
+        return out
 
     def generate_on_device(self, prompt, start: int, max_new: int, temperature: float = 0.0, seed: int = 0,
                            stop_ids=(), poll_s: float = 0.0002):
