@@ -1,13 +1,15 @@
 """One device run: build, check and time the monokernel on random-weight models in one go.
 
     python -m kiec.devcheck --out DIR [--models tiny-llama,llama-3.2-1b,...] [--bench]
+                            [--variants "slot_bytes=32768;max_slots=6" --variant-model llama-3.2-1b]
 
 For each model it builds the kernel (in parallel), uploads random weights, and checks:
 per-stage trace against the Python twin over the first positions (the first stage over
 tolerance names the bug), teacher-forced logits against the twin, bitwise determinism of
 two identical runs, and that one launch for a whole sequence selects the same tokens as
-one launch per step. With --bench it measures the read bandwidth and ms/token. It prints
-a short table last and writes everything to DIR/devcheck.json.
+one launch per step. With --bench it measures the read bandwidth and ms/token; each of
+--variants (compile options) is built for --variant-model, checked against the default
+build's logits and timed. It prints a short table last and writes DIR/devcheck.json.
 """
 from __future__ import annotations
 
@@ -36,7 +38,24 @@ def model_spec(name: str, root: Path):
     return load_spec({"name": name, "weights": str(folder), "max_seq_len": SEQ.get(name, 1024)}), cfg
 
 
-def check_model(name, spec, cfg, compiled, bench: bool, log) -> dict:
+def check_variant(name, spec, ckpt, compiled, options, reference_logits, log) -> dict:
+    """A build with other compile options: same logits as the default build (to bf16 noise), and its times."""
+    from .golden import logit_errors
+    from .runtime.gpu import GpuBackend
+    backend = GpuBackend(spec, checkpoint=ckpt, compiled=compiled, timeout_s=3.0)
+    tokens, start, want = reference_logits
+    errs, agree = logit_errors(backend.teacher_forced(tokens, start), want)
+    out = {"model": f"{name}[{options.label()}]", "build_s": round(compiled.build_s, 1), "report": compiled.build.report,
+           "stage_err": {"vs default": float(f"{errs.max():.3g}")}, "first_bad_stage": None,
+           "tf_max_err": float(f"{errs.max():.3g}"), "tf_argmax_agree": agree, "bitwise_repeat": None,
+           "device_loop_equal": None, "slots": compiled.sched.grid.slots}
+    out.update(time_model(backend, spec))
+    log(f"{out['model']}: vs default {errs.max():.3g}, slots {out['slots']}")
+    log(out["profile_text"])
+    return out
+
+
+def check_model(name, spec, cfg, compiled, bench: bool, log, keep: dict | None = None) -> dict:
     from .golden import logit_errors, rel_err, stage_diffs
     from .pack import pack_weights
     from .reference.twin import Twin
@@ -46,6 +65,8 @@ def check_model(name, spec, cfg, compiled, bench: bool, log) -> dict:
     out = {"model": name, "build_s": round(compiled.build_s, 1), "report": compiled.build.report}
     t0 = time.perf_counter()
     ckpt = random_checkpoint(cfg, seed=7)
+    if keep is not None:
+        keep["ckpt"] = ckpt
     backend = GpuBackend(spec, checkpoint=ckpt, compiled=compiled, timeout_s=3.0)
     arrays = {t.name: materialize(ckpt, t) for t in compiled.graph.weights()}
     blob = pack_weights(compiled.sched, arrays, spec.config, spec.max_seq_len, spec.dtype)
@@ -76,6 +97,8 @@ def check_model(name, spec, cfg, compiled, bench: bool, log) -> dict:
     got = backend.teacher_forced(tokens, start)
     want = np.stack([twin.step(t, start + i)[0] for i, t in enumerate(tokens)])
     errs, agree = logit_errors(got, want)
+    if keep is not None:
+        keep["logits"] = (tokens, start, got)
     out["tf_max_err"] = float(f"{errs.max():.3g}")
     out["tf_argmax_agree"] = agree
     # 3. determinism: the same launch twice, bitwise
@@ -132,7 +155,11 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=DEFAULT_MODELS)
     ap.add_argument("--out", default=".")
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--variants", default="", help="';'-separated compile options to build and time")
+    ap.add_argument("--variant-model", default="llama-3.2-1b")
     args = ap.parse_args(argv)
+    from .options import CompileOptions
+    variants = [CompileOptions.parse(v) for v in args.variants.split(";") if v.strip()]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     logf = open(out_dir / "devcheck.log", "w")
@@ -153,26 +180,40 @@ def main(argv=None) -> int:
     root = Path(tempfile.mkdtemp(prefix="kiec-devcheck-"))
     names = args.models.split(",")
     specs = {n: model_spec(n, root) for n in names}
-    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+    with ThreadPoolExecutor(max_workers=len(names) + len(variants)) as pool:
         futures = {n: pool.submit(CompiledModel, specs[n][0], sms, root / "build", True) for n in names}
+        variant_futures = [pool.submit(CompiledModel, specs[args.variant_model][0], sms, root / "build", True, None, v)
+                           for v in variants]
     results["models"] = []
+    kept: dict = {}
     for n in names:
         try:
             compiled = futures[n].result()
             log(f"{n}: built in {compiled.build_s:.1f} s; {compiled.build.report.splitlines()[-1]}")
-            results["models"].append(check_model(n, *specs[n], compiled, args.bench, log))
+            results["models"].append(check_model(n, *specs[n], compiled, args.bench, log,
+                                                 kept if n == args.variant_model else None))
         except Exception as err:
             log(f"{n}: FAILED {type(err).__name__}: {err}")
             log(traceback.format_exc())
             results["models"].append({"model": n, "error": f"{type(err).__name__}: {err}"[:2000]})
         (out_dir / "devcheck.json").write_text(json.dumps(results, indent=1, default=str))
-    print("\nmodel            stage-err(max)  first-bad                tf-err   agree  repeat loop   ms/tok(step) ms/tok(seq)")
+    for options, future in zip(variants, variant_futures):
+        try:
+            spec = specs[args.variant_model][0]
+            results["models"].append(check_variant(args.variant_model, spec, kept["ckpt"], future.result(), options,
+                                                   kept["logits"], log))
+        except Exception as err:
+            log(f"variant {options}: FAILED {type(err).__name__}: {err}")
+            log(traceback.format_exc())
+            results["models"].append({"model": f"{args.variant_model}[{options.label()}]", "error": str(err)[:2000]})
+        (out_dir / "devcheck.json").write_text(json.dumps(results, indent=1, default=str))
+    print("\nmodel                            stage-err(max)  first-bad                tf-err   agree  repeat loop   ms/tok(step) ms/tok(seq)")
     for r in results["models"]:
         if "error" in r:
-            print(f"{r['model']:<16} ERROR {r['error'][:100]}")
+            print(f"{r['model']:<32} ERROR {r['error'][:100]}")
             continue
         se = max(r["stage_err"].values())
-        print(f"{r['model']:<16} {se:<15.3g} {str(r['first_bad_stage'])[:24]:<24} {r['tf_max_err']:<8.3g} "
+        print(f"{r['model']:<32} {se:<15.3g} {str(r['first_bad_stage'])[:24]:<24} {r['tf_max_err']:<8.3g} "
               f"{r['tf_argmax_agree']:<6.2f} {str(r['bitwise_repeat']):<6} {str(r['device_loop_equal']):<6} "
               f"{r.get('ms_per_token_launch_per_step', float('nan')):<12.4f} {r.get('ms_per_token_one_launch', float('nan')):.4f}")
     return 0

@@ -34,38 +34,40 @@ def build_graph(spec: ModelSpec, dump: Path | None = None) -> Graph:
     return graph
 
 
-def schedule_steps(spec: ModelSpec, multiprocessors: int | None = None):
+def schedule_steps(spec: ModelSpec, multiprocessors: int | None = None, options=None):
     """(name, function) for the steps from a graph to a placed, memory-planned Schedule."""
     from .passes.fuse import fuse
     from .passes.memplan import memplan
     from .passes.schedule import schedule
+    from .options import CompileOptions
     from .targets import get_target
     target = get_target(spec.target)
+    options = options or CompileOptions()
     return [
         ("fuse", lambda g: fuse(g, spec.config)),                                     # ops -> stages
-        ("schedule", lambda s: schedule(s, target, multiprocessors, spec.max_seq_len)),  # tiles on the grid
+        ("schedule", lambda s: schedule(s, target, multiprocessors, spec.max_seq_len, options)),  # tiles, ring
         ("memplan", lambda s: memplan(s, spec.config, spec.max_seq_len, spec.dtype)),  # offsets of everything
     ]
 
 
-def build_schedule(spec: ModelSpec, multiprocessors: int | None = None, dump: Path | None = None):
+def build_schedule(spec: ModelSpec, multiprocessors: int | None = None, dump: Path | None = None, options=None):
     graph = build_graph(spec, dump)
     sched = graph
     first = len(graph_steps(spec))
-    for index, (name, step) in enumerate(schedule_steps(spec, multiprocessors), start=first):
+    for index, (name, step) in enumerate(schedule_steps(spec, multiprocessors, options), start=first):
         sched = step(sched)
         if dump is not None:
             (dump / f"{index:02d}-{name}.sched").write_text(sched.dump())
     return graph, sched
 
 
-def render_sources(spec: ModelSpec, multiprocessors: int | None = None, dump: Path | None = None):
+def render_sources(spec: ModelSpec, multiprocessors: int | None = None, dump: Path | None = None, options=None):
     """(graph, schedule, files, module name): everything before the compiler."""
     from .codegen import render
     from .targets import get_target
     from .toolchain import source_key
     target = get_target(spec.target)
-    graph, sched = build_schedule(spec, multiprocessors, dump)
+    graph, sched = build_schedule(spec, multiprocessors, dump, options)
     files = render(sched, target, "kiec_model")
     name = f"kiec_{source_key(files, target)}"
     files = render(sched, target, name)

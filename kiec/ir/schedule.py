@@ -49,8 +49,12 @@ class Gemv:
         return self.rows * self.stride * 2
 
 
-def gemv_shape(rows: int, cols: int, row_multiple: int = 1) -> Gemv:
-    segments = -(-cols // SEG_MAX)
+def gemv_shape(rows: int, cols: int, max_segments: int = 8) -> Gemv:
+    """Rows cut into a power-of-two number of segments (at most max_segments, each about SEG_MAX
+    wide, a multiple of 8 elements): with 8 consumer warps, each warp then keeps one segment."""
+    segments = 1
+    while segments * SEG_MAX < cols and segments < max_segments:
+        segments *= 2
     seg_width = -(-cols // segments)
     seg_width = -(-seg_width // 8) * 8          # 16-byte units
     return Gemv(rows=rows, cols=cols, segments=segments, seg_width=seg_width)

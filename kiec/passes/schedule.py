@@ -22,20 +22,21 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import KiecError
-from ..ir.schedule import Grid, Schedule, Stage
+from ..ir.schedule import Grid, Schedule, Stage, gemv_shape
+from ..options import CompileOptions
 from ..targets import Target
 
 BARRIER_BYTES = 1024     # mbarriers and block-local flags
 
 
 def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None, max_seq_len: int = 4096,
-             consumer_warps: int | None = None) -> Schedule:
+             options: CompileOptions = CompileOptions()) -> Schedule:
     lanes = sched.lanes
     blocks = multiprocessors or target.multiprocessors
     blocks -= blocks % lanes
     if blocks < lanes:
         raise KiecError("lanes", lanes, f"at most the device's {blocks} multiprocessors")
-    warps = consumer_warps or (8 if target.warp_size == 32 else 4)
+    warps = options.consumer_warps or (8 if target.warp_size == 32 else 4)
     per_lane = blocks // lanes
     stages = []
     for s in sched.stages:
@@ -45,7 +46,9 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             rows_per_tile = -(-s.gemv.rows // grid_blocks)
             rows_per_tile = -(-rows_per_tile // row_multiple) * row_multiple
             tiles = -(-s.gemv.rows // rows_per_tile)
-            gemv = dataclasses.replace(s.gemv, rows_per_tile=rows_per_tile)
+            cut = gemv_shape(s.gemv.rows, s.gemv.cols, warps)
+            gemv = dataclasses.replace(s.gemv, segments=cut.segments, seg_width=cut.seg_width,
+                                       rows_per_tile=rows_per_tile)
             stages.append(dataclasses.replace(s, gemv=gemv, tiles=tiles))
         elif s.kind == "attention":
             lanes_per_key = 1 << (max(1, s.attr("head_dim") // 8) - 1).bit_length()
@@ -64,8 +67,9 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     stages = _rotate(stages, per_lane, blocks)
     stages = _attention_waits(stages)
     scratch = max(_scratch_bytes(s, warps) for s in stages)
-    slot_bytes = target.slot_bytes
+    slot_bytes = options.slot_bytes or target.slot_bytes
     slots = (target.smem_bytes - scratch - BARRIER_BYTES) // slot_bytes
+    slots = min(slots, options.max_slots or slots)
     if slots < 2:
         raise KiecError("model", f"{scratch} bytes of scratch", f"a model whose widest stage leaves room for "
                         f"two {slot_bytes}-byte weight slots in {target.smem_bytes} bytes of shared memory")

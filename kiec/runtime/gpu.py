@@ -48,14 +48,14 @@ class CompiledModel:
     """A model's schedule, sources and built module (one build per source hash)."""
 
     def __init__(self, spec: ModelSpec, multiprocessors: int | None = None, build_root: Path | None = None,
-                 quiet: bool = False, dump: Path | None = None):
+                 quiet: bool = False, dump: Path | None = None, options=None):
         from ..fetch import cache_dir
         from ..pipeline import render_sources
         from ..targets import get_target
         from ..toolchain import build
         self.spec = spec
         self.target = get_target(spec.target)
-        self.graph, self.sched, self.files, self.name = render_sources(spec, multiprocessors, dump)
+        self.graph, self.sched, self.files, self.name = render_sources(spec, multiprocessors, dump, options)
         folder = (build_root or cache_dir() / "build") / f"{_slug(spec.name)}-{self.name[5:]}"
         t0 = time.perf_counter()
         self.build = build(self.files, self.target, folder, self.name, quiet=quiet)

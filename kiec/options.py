@@ -1,0 +1,40 @@
+"""Compile options: the schedule's knobs, validated once. They reach the build's cache key
+through the sources they change (every knob ends up as a constant in the generated code)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import KiecError
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    consumer_warps: int | None = None   # consumer warps per block (None: the target's default)
+    slot_bytes: int | None = None       # one weight-ring slot (None: the target's)
+    max_slots: int | None = None        # at most this many ring slots (None: as many as shared memory holds)
+
+    def __post_init__(self):
+        if self.consumer_warps is not None and self.consumer_warps not in (4, 8, 16):
+            raise KiecError("consumer_warps", self.consumer_warps, "4, 8 or 16")
+        if self.slot_bytes is not None and (self.slot_bytes < 4096 or self.slot_bytes % 1024):
+            raise KiecError("slot_bytes", self.slot_bytes, "a multiple of 1024, at least 4096")
+        if self.max_slots is not None and self.max_slots < 2:
+            raise KiecError("max_slots", self.max_slots, "at least 2")
+
+    def label(self) -> str:
+        """'slot_bytes=32768' style: only the knobs that differ from the defaults."""
+        return ",".join(f"{k}={v}" for k, v in self.__dict__.items() if v is not None) or "default"
+
+    @staticmethod
+    def parse(text: str) -> "CompileOptions":
+        """'consumer_warps=8,slot_bytes=32768' -> CompileOptions."""
+        fields = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = part.partition("=")
+            if key not in CompileOptions.__dataclass_fields__:
+                raise KiecError("option", key, "one of " + ", ".join(CompileOptions.__dataclass_fields__))
+            try:
+                fields[key] = int(value)
+            except ValueError:
+                raise KiecError(f"option {key}", value, "an integer") from None
+        return CompileOptions(**fields)
