@@ -1,6 +1,7 @@
 """`kiec inspect`: what the compiler sees — the graph, parameters, bytes per token, the lane split."""
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import numpy as np
@@ -42,7 +43,7 @@ def describe(spec: ModelSpec, context: int = 128) -> str:
         f"shape      {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads / {cfg.kv_heads} kv heads of "
         f"{cfg.head_dim}, ffn {cfg.ffn}, vocab {cfg.vocab}"
         + (f", sliding window {cfg.sliding_window} on {sum(cfg.window_layers)} layers" if cfg.sliding_window else ""),
-        f"params     {cfg.parameter_count() / 1e6:.1f} M",
+        f"params     {cfg.parameter_count() / 1e6:.1f} M ({cfg.parameter_count()})",
         f"target     {spec.target}, dtype {spec.dtype}, max_seq_len {spec.max_seq_len}",
         f"lanes      {graph.lanes} on {spec.gpus} GPU(s); lane reduce: "
         + ", ".join(f"{m}{'(' + str(d) + ')' if m == 'past' else ''} x{n}" for (m, d), n in sorted(modes.items())),
@@ -58,6 +59,12 @@ def describe(spec: ModelSpec, context: int = 128) -> str:
         "",
         "graph (first layer and output):",
     ]
-    shown = [l for l in graph.dump().splitlines() if "layers." not in l or "layers.0." in l]
+    shown = [l for l in graph.dump().splitlines() if _layer_of(l) in (None, 0)]
     lines += shown
     return "\n".join(lines)
+
+
+def _layer_of(line: str):
+    """The layer a dump line belongs to: the one its output (or weight, or first input) names."""
+    found = re.search(r"layers\.(\d+)\.", line.split(" = ")[0])
+    return None if found is None else int(found.group(1))

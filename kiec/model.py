@@ -64,11 +64,14 @@ class ArchConfig:
 
     def parameter_count(self) -> int:
         d, f, v = self.hidden, self.ffn, self.vocab
-        per_layer = d * (self.q_dim + 2 * self.kv_dim) + self.q_dim * d + 3 * d * f + 2 * d * self.lanes
+        norm = d if self.replicated_norm else d * self.lanes            # [D], or a per-lane scale [L, D]
+        final_norm = d if self.replicated_norm or self.pre_norm_lane_agg else d * self.lanes
+        per_layer = d * (self.q_dim + 2 * self.kv_dim) + self.q_dim * d + 3 * d * f + 2 * norm
         if self.qkv_bias:
             per_layer += self.q_dim + 2 * self.kv_dim
-        head = 0 if self.tie_embeddings else v * d * (self.lanes if self.lm_head_type == "lane" else 1)
-        return v * d + self.layers * per_layer + d * self.lanes + head
+        lane_head = self.lm_head_type == "lane" and not self.pre_norm_lane_agg
+        head = 0 if self.tie_embeddings else v * d * (self.lanes if lane_head else 1)
+        return v * d + self.layers * per_layer + final_norm + head
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ config: a missing, extra or misshapen tensor is one clear error.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -19,6 +20,7 @@ from .errors import KiecError
 from .model import ArchConfig
 
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+GGUF_NOT_WEIGHTS = ("I8", "I16", "I32", "I64", "F64")     # GGUF tensor types no weight of ours has
 IGNORED = ("rotary_emb.inv_freq", "masked_bias", ".attn.bias")
 
 
@@ -121,6 +123,17 @@ def read_folder(folder: str) -> WeightStore:
 # --- GGUF -------------------------------------------------------------------------------------
 
 def _gguf_reader(path: str):
+    try:
+        stat = os.stat(path)
+    except OSError as err:
+        raise KiecError("weights", path, "a GGUF file", str(err)) from None
+    return _cached_gguf_reader(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_gguf_reader(path: str, size: int, mtime_ns: int):
+    """One parse per file version: the spec, the checkpoint and the tokenizer all read the same
+    GGUF, and parsing its metadata (the vocabulary) takes seconds."""
     import gguf
     try:
         return gguf.GGUFReader(path)
@@ -178,11 +191,18 @@ def read_gguf(path: str, cfg: ArchConfig) -> WeightStore:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size:
             raise KiecError("weights", path, f"at least {end} bytes", f"truncated at tensor {t.name}: the file has {size}")
+        if t.tensor_type.name in GGUF_NOT_WEIGHTS:
+            raise KiecError(f"weights[{t.name}].dtype", t.tensor_type.name, "F32, F16, BF16 or a quantized type",
+                            f"in {path}")
         shape = tuple(int(n) for n in reversed(t.shape))      # GGUF lists the fastest axis first
         entries[t.name] = (shape, "float32")
 
         def load(t=t, shape=shape):
-            array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+            try:
+                array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+            except NotImplementedError as err:
+                raise KiecError(f"weights[{t.name}].dtype", t.tensor_type.name, "a type the gguf package dequantizes",
+                                str(err)) from None
             if t.name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = cfg.heads if "attn_q" in t.name else cfg.kv_heads
                 array = _unpermute(array, heads)

@@ -26,3 +26,42 @@ def tiny_llama(tmp_path_factory):
     """A random tiny llama folder (config.json + model.safetensors, fp32)."""
     from kiec.synthetic import write_random_model
     return write_random_model(tmp_path_factory.mktemp("tiny-llama"), "tiny-llama", seed=1, dtype="fp32")
+
+
+@pytest.fixture(scope="session")
+def one_gguf_parse():
+    """Parsing SmolLM2's GGUF metadata (a 49k-token vocabulary) takes the gguf package ~6 s, and
+    transformers parses the file three times (config, weights, tokenizer), kiec once more. For this
+    session, `gguf.GGUFReader` hands back one read-only reader per file version instead."""
+    import os
+    import gguf
+    original, readers = gguf.GGUFReader, {}
+
+    def shared_reader(path, mode="r"):
+        if mode != "r":
+            return original(path, mode)
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+    gguf.GGUFReader = shared_reader
+    yield
+    gguf.GGUFReader = original
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf, one_gguf_parse):
+    """transformers' SmolLM2 (fp32) from the same GGUF, loaded once for every test that needs it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_gguf, one_gguf_parse):
+    """transformers' tokenizer rebuilt from the same GGUF."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)

@@ -1,0 +1,245 @@
+"""model.json -> ModelSpec: every bad input is ONE KiecError naming the field, the value and
+what was expected; through the CLI it is one `kiec: error:` line, exit code 2, no traceback."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kiec.errors import KiecError
+from kiec.model import load_spec
+from kiec.synthetic import preset
+
+
+def _error(source, **overrides) -> KiecError:
+    with pytest.raises(KiecError) as info:
+        load_spec(source, overrides or None)
+    return info.value
+
+
+def _spec_dict(folder, **fields) -> dict:
+    return dict({"weights": str(folder)}, **fields)
+
+
+def test_a_good_folder_loads(tiny_llama):
+    spec = load_spec(str(tiny_llama), {"max_seq_len": 128})
+    cfg = spec.config
+    want = preset("tiny-llama")
+    assert (cfg.arch, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.ffn, cfg.vocab) == (
+        "llama", want["hidden_size"], want["num_hidden_layers"], want["num_attention_heads"],
+        want["num_key_value_heads"], want["intermediate_size"], want["vocab_size"])
+    assert cfg.head_dim == want["hidden_size"] // want["num_attention_heads"]
+    assert spec.max_seq_len == 128 and spec.lanes == 1 and spec.weights == str(tiny_llama.resolve())
+
+
+def test_model_json_with_relative_paths(tiny_llama, tmp_path):
+    shutil.copytree(tiny_llama, tmp_path / "m")
+    (tmp_path / "model.json").write_text(json.dumps({"name": "t", "weights": "m/model.safetensors",
+                                                     "config": "m/config.json", "lanes": 2}))
+    spec = load_spec(str(tmp_path / "model.json"))
+    assert spec.name == "t" and spec.lanes == 2
+    assert spec.weights == str((tmp_path / "m" / "model.safetensors").resolve())
+
+
+@pytest.mark.parametrize("arch, hint", [("gpt2", ""), ("lama", "did you mean 'llama'?"),
+                                        ("qwen", "did you mean 'qwen2'?")])
+def test_unknown_architecture(tiny_llama, arch, hint):
+    err = _error(_spec_dict(tiny_llama, architecture=arch))
+    assert err.field == "architecture" and err.value == arch
+    assert "llama" in err.expected and "laneformer" in err.expected
+    assert err.hint == hint
+
+
+def test_unknown_model_type_in_config(tiny_llama):
+    err = _error(_spec_dict(tiny_llama, config=dict(preset("tiny-llama"), model_type="gpt_neox")))
+    assert err.field == "architecture" and err.value == "gpt_neox"
+
+
+@pytest.mark.parametrize("key, nearest", [("max_seq_length", "max_seq_len"), ("lane", "lanes"),
+                                          ("weight", "weights"), ("tokeniser", "tokenizer")])
+def test_unknown_key_names_it_and_the_nearest(tiny_llama, key, nearest):
+    err = _error(_spec_dict(tiny_llama, **{key: 1}))
+    assert err.field == key and err.value == 1
+    assert err.hint == f"did you mean {nearest!r}?"
+    assert f"{key}: got 1" in str(err) and repr(nearest) in str(err)
+
+
+def test_unknown_key_with_nothing_near(tiny_llama):
+    err = _error(_spec_dict(tiny_llama, zzzzzz=True))
+    assert err.field == "zzzzzz" and err.hint == "" and "max_seq_len" in err.expected
+
+
+def test_missing_weights(tmp_path):
+    err = _error({"weights": str(tmp_path / "nope.safetensors")})
+    assert err.field == "weights" and err.value.endswith("nope.safetensors") and err.hint == "no such file"
+    err = _error({"name": "x"})
+    assert err.field == "weights" and "missing" in err.hint
+
+
+def test_missing_model_json(tmp_path):
+    err = _error(str(tmp_path / "absent.json"))
+    assert err.field == "model" and err.value.endswith("absent.json") and err.hint == "no such file"
+
+
+def test_unreadable_model_json(tmp_path):
+    bad = tmp_path / "model.json"
+    bad.write_bytes(b"\xff\xfe\x00 not utf-8")
+    assert _error(str(bad)).field == "model"
+    bad.write_text('{"weights": "x",}')
+    err = _error(str(bad))
+    assert err.field == "model" and err.expected == "valid JSON" and "line 1" in err.hint
+    bad.write_text("[1, 2]")
+    assert "JSON object" in _error(str(bad)).expected
+
+
+def test_unreadable_config(tiny_llama, tmp_path):
+    (tmp_path / "config.json").mkdir()                 # a folder where a file must be: open() fails
+    err = _error(_spec_dict(tiny_llama / "model.safetensors", config=str(tmp_path / "config.json")))
+    assert err.field == "config" and err.expected == "a readable file"
+    (tmp_path / "c.json").write_text("{oops")
+    err = _error(_spec_dict(tiny_llama, config=str(tmp_path / "c.json")))
+    assert err.field == "config" and err.expected == "valid JSON"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_weights(tiny_llama, tmp_path):
+    shutil.copytree(tiny_llama, tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").chmod(0)
+    err = _error({"weights": str(tmp_path / "m" / "model.safetensors")})
+    assert err.field == "weights" and err.hint == "permission denied"
+
+
+def test_no_config_beside_the_weights(tiny_llama, tmp_path):
+    shutil.copy(tiny_llama / "model.safetensors", tmp_path)
+    err = _error({"weights": str(tmp_path / "model.safetensors")})
+    assert err.field == "config" and "no config.json" in err.hint
+
+
+@pytest.mark.parametrize("lanes, what", [(3, "num_attention_heads (4)"), (4, "num_key_value_heads (2)")])
+def test_heads_not_divisible_by_lanes(tiny_llama, lanes, what):
+    err = _error(_spec_dict(tiny_llama, lanes=lanes))
+    assert err.field == "lanes" and err.value == lanes and err.expected == f"a divisor of {what}"
+
+
+def test_ffn_not_divisible_by_lanes(tiny_llama):
+    config = preset("tiny-llama", num_key_value_heads=4, intermediate_size=130)
+    err = _error(_spec_dict(tiny_llama, config=config, lanes=4))
+    assert err.field == "lanes" and err.value == 4 and err.expected == "a divisor of intermediate_size (130)"
+    assert load_spec(_spec_dict(tiny_llama, config=config, lanes=2)).lanes == 2
+
+
+def test_vocab_parallel_head_needs_lanes_to_divide_vocab(tmp_path):
+    config = dict(_tiny_laneformer(), num_lanes=2, vocab_size=255, lm_head_type="vocab_parallel")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    err = _error(str(tmp_path))
+    assert err.field == "lanes" and "vocab_size (255)" in err.expected
+
+
+@pytest.mark.parametrize("value", [0, -1, "128", 1.5, True, None])
+def test_max_seq_len_must_be_a_positive_integer(tiny_llama, value):
+    err = _error(_spec_dict(tiny_llama, max_seq_len=value))
+    assert err.field == "max_seq_len" and err.value == value and err.expected == "a positive integer"
+
+
+def test_max_seq_len_beyond_the_model(tiny_llama):
+    limit = preset("tiny-llama")["max_position_embeddings"]
+    assert load_spec(_spec_dict(tiny_llama, max_seq_len=limit)).max_seq_len == limit
+    err = _error(_spec_dict(tiny_llama, max_seq_len=limit + 1))
+    assert err.field == "max_seq_len" and err.value == limit + 1 and f"({limit})" in err.expected
+    err = _error(str(tiny_llama), max_seq_len=10 ** 6)       # an override (the CLI's --max-seq-len)
+    assert err.field == "max_seq_len"
+
+
+@pytest.mark.parametrize("field, value, expected_part", [
+    ("gpus", 3, "1 or the lane count"), ("gpus", 0, "a positive integer"),
+    ("lanes", 0, "a positive integer"), ("lanes", "2", "a positive integer"),
+    ("dtype", "fp32", "bf16"), ("target", "cuda:sm_80", "cuda:sm_90"),
+    ("dtp_delay", 0, "a delay d >= 1"), ("dtp_delay", 2, "smaller than the layer count (2)"),
+])
+def test_other_fields(tiny_llama, field, value, expected_part):
+    err = _error(_spec_dict(tiny_llama, **{field: value}))
+    assert err.field == field and err.value == value and expected_part in err.expected
+
+
+@pytest.mark.parametrize("key, value, field, shown", [
+    ("num_attention_heads", 0, "config.num_attention_heads", 0),
+    ("hidden_size", "64", "config.hidden_size", "64"),
+    ("num_key_value_heads", 3, "config.num_key_value_heads", 3),
+    ("hidden_act", "gelu", "config.hidden_act", "gelu"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "config.rope_scaling", "yarn"),
+])
+def test_bad_config_values(tiny_llama, key, value, field, shown):
+    err = _error(_spec_dict(tiny_llama, config=preset("tiny-llama", **{key: value})))
+    assert err.field == field and err.value == shown
+
+
+def test_missing_config_key(tiny_llama):
+    config = preset("tiny-llama")
+    del config["num_hidden_layers"]
+    err = _error(_spec_dict(tiny_llama, config=config))
+    assert err.field == "config.num_hidden_layers" and err.value is None and "missing" in err.hint
+
+
+def _tiny_laneformer(**changes) -> dict:
+    return preset("laneformer-2b", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, intermediate_size=64, vocab_size=64, max_position_embeddings=64,
+                  num_lanes=2, broadcast_delay=1, **changes)
+
+
+def test_laneformer_lanes_are_fixed_by_the_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(_tiny_laneformer()))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert load_spec(str(tmp_path)).lanes == 2
+    err = _error(str(tmp_path), lanes=1)
+    assert err.field == "lanes" and err.value == 1 and "num_lanes (2)" in err.expected
+    (tmp_path / "config.json").write_text(json.dumps(_tiny_laneformer(lm_head_type="columns")))
+    err = _error(str(tmp_path))
+    assert err.field == "config.lm_head_type" and err.value == "columns"
+
+
+# --- through the command line ------------------------------------------------------------------
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "kiec.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def _assert_one_error_line(run, *parts):
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kiec: error: "), run.stderr
+    for part in parts:
+        assert part in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("command", ["run", "inspect"])
+def test_cli_unknown_key(tiny_llama, tmp_path, command):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"weights": str(tiny_llama), "max_seq_length": 64}))
+    _assert_one_error_line(_cli(command, str(bad)), "max_seq_length: got 64", "did you mean 'max_seq_len'?")
+
+
+@pytest.mark.parametrize("command", ["run", "inspect"])
+def test_cli_bad_values(tiny_llama, tmp_path, command):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"weights": str(tiny_llama), "architecture": "gpt2"}))
+    _assert_one_error_line(_cli(command, str(bad)), "architecture: got 'gpt2'")
+    _assert_one_error_line(_cli(command, str(tiny_llama), "--max-seq-len", "0"), "max_seq_len: got 0")
+    _assert_one_error_line(_cli(command, str(tiny_llama), "--lanes", "3"), "lanes: got 3")
+    _assert_one_error_line(_cli(command, str(tmp_path / "missing.json")), "model: got", "no such file")
+    bad.write_text("{")
+    _assert_one_error_line(_cli(command, str(bad)), "valid JSON")
+
+
+def test_cli_run_truncated_checkpoint(tiny_llama, tmp_path):
+    shutil.copy(tiny_llama / "config.json", tmp_path)
+    data = (tiny_llama / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    _assert_one_error_line(_cli("run", str(tmp_path), "--backend", "reference", "--max-tokens", "2"),
+                           "weights", "truncated")
