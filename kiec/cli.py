@@ -43,7 +43,8 @@ def add_sampling_args(p) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--stop-token-id", action="append", type=int, default=[])
-    p.add_argument("--logprobs", type=int)
+    p.add_argument("--logprobs", type=int, help="print each token's logprob and this many alternatives")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the model's end-of-turn tokens")
 
 
 def sampling_from_args(args):
@@ -51,31 +52,50 @@ def sampling_from_args(args):
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
-                          stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id), logprobs=args.logprobs)
+                          stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id), logprobs=args.logprobs,
+                          ignore_eos=args.ignore_eos)
+
+
+def engine_from_args(args, spec):
+    """The engine for a command, with progress bars on stderr unless --quiet."""
+    from .progress import ProgressBar
+    from .runtime.engine import Engine
+    return Engine(spec, backend=args.backend, progress=None if args.quiet else ProgressBar())
 
 
 def cmd_run(args) -> int:
-    from .runtime.engine import Engine
+    from .runtime.chat import encode_chat
     spec = _spec(args)
     params = sampling_from_args(args)
-    engine = Engine(spec, backend=args.backend)
-    prompt = args.prompt
+    engine = engine_from_args(args, spec)
     if args.chat:
-        prompt = engine.tokenizer.apply_chat([{"role": "user", "content": prompt}])
-    ids = engine.encode(prompt)
+        ids = encode_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
+    else:
+        ids = engine.encode(args.prompt)
+        sys.stdout.write(args.prompt)
     if not args.quiet:
         print(f"[kiec] {spec.name} on {engine.backend.name}: {len(ids)} prompt tokens", file=sys.stderr)
-    if not args.chat:
-        sys.stdout.write(prompt)
+    tokens = []
     for token in engine.generate(ids, params):
         sys.stdout.write(token.text)
         sys.stdout.flush()
+        tokens.append(token)
     sys.stdout.write("\n")
+    if params.logprobs is not None:
+        _print_logprobs(engine.tokenizer, tokens)
     s = engine.last_stats
     if not args.quiet:
         print(f"[kiec] {s.completion_tokens} tokens, first after {s.ttft_s * 1e3:.0f} ms, "
               f"{s.decode_tok_s:.1f} tok/s decode", file=sys.stderr)
     return 0
+
+
+def _print_logprobs(tokenizer, tokens) -> None:
+    """One line per token on stderr: the token, its logprob, the alternatives."""
+    show = lambda t: repr(tokenizer.decode([t], skip_special=False))   # noqa: E731
+    for token in tokens:
+        alternatives = "  ".join(f"{show(t)} {lp:.3f}" for t, lp in token.top_logprobs.items())
+        print(f"{show(token.id):>16} {token.logprob:8.3f}  {alternatives}", file=sys.stderr)
 
 
 def cmd_inspect(args) -> int:
@@ -84,10 +104,18 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _add_common(p, top: bool) -> None:
+    """--quiet and --log-level, before or after the subcommand (a subcommand's copy defaults to
+    SUPPRESS, so it does not overwrite what was given before it)."""
+    keep = {} if top else {"default": argparse.SUPPRESS}
+    p.add_argument("--quiet", action="store_true", help="no progress bars or status lines", **keep)
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], **keep,
+                   help="log detail on stderr (default: info, warning with --quiet)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kiec", description=__doc__.splitlines()[0])
-    parser.add_argument("--quiet", action="store_true", help="no progress or status lines")
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    _add_common(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="generate text for a prompt")
@@ -105,10 +133,13 @@ def main(argv=None) -> int:
 
     for register in _extensions():
         register(sub)
+    for command in sub.choices.values():     # the common flags also after the subcommand
+        _add_common(command, top=False)
 
     args = parser.parse_args(argv)
     import logging
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="[kiec] %(message)s")
+    level = args.log_level or ("warning" if args.quiet else "info")
+    logging.basicConfig(level=getattr(logging, level.upper()), format="[kiec] %(message)s")
     try:
         return args.func(args)
     except KiecError as err:

@@ -1,4 +1,53 @@
 """Subcommands registered beside the modules they drive (cli.py holds run and inspect)."""
 from __future__ import annotations
 
-COMMANDS: list = []
+import os
+
+
+def register_serve(sub) -> None:
+    from .cli import _add_model
+    from .runtime.server import ServeOptions
+    d = ServeOptions()
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _add_model(p)
+    p.add_argument("--backend", default="auto", choices=["auto", "gpu", "reference"])
+    p.add_argument("--host", default=d.host, help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=d.port, help="0: any free port (the log line says which)")
+    p.add_argument("--api-key", default=os.environ.get("KIEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $KIEC_API_KEY; none: no key)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="requests that may wait while one runs; past that: 503")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger bodies: 413")
+    p.add_argument("--model-name", help="the name clients send as `model` (default: the model's own)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from .cli import _spec, engine_from_args
+    from .runtime.server import ServeOptions, bind, serve
+    options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+                           max_body_bytes=args.max_body_bytes, model_name=args.model_name)
+    spec = _spec(args)
+    sock = bind(options.host, options.port)      # a taken port fails now, not after the weights load
+    return serve(engine_from_args(args, spec), options, sock)
+
+
+def register_chat(sub) -> None:
+    from .cli import _add_model, add_sampling_args
+    p = sub.add_parser("chat", help="an interactive chat in the terminal (/reset, /exit)")
+    _add_model(p)
+    p.add_argument("--backend", default="auto", choices=["auto", "gpu", "reference"])
+    p.add_argument("--system", help="a system message to start every conversation with")
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_chat, max_tokens=512)
+
+
+def cmd_chat(args) -> int:
+    from .cli import _spec, engine_from_args, sampling_from_args
+    from .runtime.chat import ChatSession, chat_loop
+    params = sampling_from_args(args)
+    session = ChatSession(engine_from_args(args, _spec(args)), params, system=args.system)
+    return chat_loop(session, quiet=args.quiet)
+
+
+COMMANDS: list = [register_serve, register_chat]

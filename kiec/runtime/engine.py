@@ -16,13 +16,15 @@ import numpy as np
 
 from ..errors import KiecError
 from ..model import ModelSpec
-from .sampling import Sampler, SamplingParams
+from ..progress import report
+from .sampling import Sampler, SamplingParams, StopStrings
 
 
 @dataclass
 class Token:
     id: int
-    text: str                       # the text this token adds (may be "" inside a multi-byte char)
+    text: str                       # the text this token adds ("" inside a multi-byte char, or while it
+                                    # may begin a stop string: held-back text comes with a later token)
     logprob: float | None = None
     top_logprobs: dict = field(default_factory=dict)
     finish_reason: str | None = None  # None, "stop" or "length" on the last event
@@ -48,10 +50,16 @@ class ReferenceBackend:
 
     def __init__(self, spec: ModelSpec, dtype=np.float32, progress=None):
         from ..pipeline import build_graph
-        from ..reference.interpreter import Reference, reference_weights
-        from ..weights import load_checkpoint
+        from ..reference.interpreter import Reference
+        from ..weights import load_checkpoint, materialize
         graph = build_graph(spec)
-        weights = reference_weights(graph, load_checkpoint(spec), dtype)
+        report(progress, "open weights", 0, 1)
+        checkpoint = load_checkpoint(spec)
+        report(progress, "open weights", 1, 1)
+        weights, tensors = {}, graph.weights()
+        for done, tensor in enumerate(tensors, 1):      # reference_weights, one tensor at a time for progress
+            weights[tensor.name] = materialize(checkpoint, tensor, dtype)
+            report(progress, "convert weights", done, len(tensors))
         self.model = Reference(graph, weights, spec.config, spec.max_seq_len, dtype)
         self.max_seq_len = spec.max_seq_len
         self.vocab = spec.config.vocab
@@ -79,7 +87,11 @@ class Engine:
         from .tokenizer import load_tokenizer
         self.spec = spec
         self.backend = make_backend(spec, backend, **options) if isinstance(backend, str) else backend
-        self.tokenizer = tokenizer or load_tokenizer(spec.tokenizer)
+        if tokenizer is None:
+            report(options.get("progress"), "tokenizer", 0, 1)
+            tokenizer = load_tokenizer(spec.tokenizer)
+            report(options.get("progress"), "tokenizer", 1, 1)
+        self.tokenizer = tokenizer
         self.cached: list[int] = []      # the tokens whose K/V the backend holds, in order
         self.last_stats = Stats()
 
@@ -113,33 +125,27 @@ class Engine:
         self.cached = list(prompt)
         sampler = Sampler(params, self.tokenizer.eos_ids)
         decoder = self.tokenizer.stream_decoder()
+        stops = StopStrings(params.stop)
         history = list(prompt)
-        text = ""
         limit = min(params.max_tokens, self.max_seq_len - len(prompt))
         for n in range(limit):
+            if n:   # the last token's K/V, computed only once the consumer asks for the next token
+                logits = self.backend.forward([history[-1]], len(self.cached))
+                self.cached.append(history[-1])
             token, logprob, top = sampler.sample(logits, history)
             if n == 0:
                 stats.ttft_s = time.perf_counter() - start
             history.append(token)
             stats.completion_tokens = n + 1
             if sampler.is_stop_token(token):
-                stats.total_s = time.perf_counter() - start
-                self.last_stats = stats
-                yield Token(token, "", logprob, top, "stop")
-                return
-            piece = decoder.push(token)
-            text += piece
-            hit = sampler.stop_string(text, len(piece))
-            if hit is not None:
-                piece = piece[: len(piece) - (len(text) - hit)]
-                stats.total_s = time.perf_counter() - start
-                self.last_stats = stats
-                yield Token(token, piece, logprob, top, "stop")
-                return
-            last = n == limit - 1
-            if not last:
-                logits = self.backend.forward([token], len(self.cached))
-                self.cached.append(token)
+                piece, finish = stops.flush(), "stop"
+            else:
+                piece, stopped = stops.push(decoder.push(token))
+                finish = "stop" if stopped else "length" if n == limit - 1 else None
+                if finish == "length":
+                    piece += stops.flush()
             stats.total_s = time.perf_counter() - start
             self.last_stats = stats
-            yield Token(token, piece, logprob, top, "length" if last else None)
+            yield Token(token, piece, logprob, top, finish)
+            if finish:
+                return

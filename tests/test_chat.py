@@ -1,0 +1,61 @@
+"""`kiec chat` driven through its stdin, as a person's terminal would, checked against the
+engine run directly on the same conversation."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from kiec.runtime.chat import encode_chat
+from kiec.runtime.sampling import SamplingParams
+from serving import kiec_command, write_tiny_chat_model
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, smollm2_gguf):
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from kiec.model import load_spec
+    from kiec.runtime.engine import Engine
+    return Engine(load_spec(str(tiny_model)), backend="reference")
+
+
+def answer(engine, messages) -> str:
+    ids = encode_chat(engine.tokenizer, messages)
+    return "".join(t.text for t in engine.generate(ids, SamplingParams(max_tokens=MAX_TOKENS)))
+
+
+def chat(model, stdin: str, *flags) -> subprocess.CompletedProcess:
+    return subprocess.run(kiec_command("chat", model, "--backend", "reference", "--max-tokens", MAX_TOKENS, *flags),
+                          input=stdin, capture_output=True, text=True, timeout=120)
+
+
+def test_chat_keeps_the_conversation_resets_and_exits(tiny_model, engine):
+    first = answer(engine, [{"role": "user", "content": "hello"}])
+    second = answer(engine, [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
+                             {"role": "user", "content": "tell me more"}])
+    run = chat(tiny_model, "hello\ntell me more\n/reset\nhello\n/exit\nnever read\n", "--quiet")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == first + "\n" + second + "\n" + first + "\n"
+    assert "new conversation" in run.stderr and "convert weights" not in run.stderr
+
+
+def test_end_of_input_ends_the_chat_and_status_goes_to_stderr(tiny_model, engine):
+    with_system = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "bonjour"}]
+    run = chat(tiny_model, "\nbonjour\n", "--system", "Answer in French.")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == answer(engine, with_system) + "\n"          # the empty line asked nothing
+    assert "convert weights" in run.stderr and "tok/s" in run.stderr  # progress and the speed line
+
+
+def test_a_message_beyond_the_context_is_refused_and_the_chat_goes_on(tiny_model, engine):
+    short = answer(engine, [{"role": "user", "content": "hi"}])
+    run = chat(tiny_model, "word " * 60 + "\nhi\n", "--max-seq-len", "48", "--quiet")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == short + "\n"
+    assert "max_seq_len is 48" in run.stderr

@@ -1,0 +1,45 @@
+"""Progress bars: redrawn in place on a terminal, one line per step elsewhere, and fed by the
+reference backend's weight loading."""
+from __future__ import annotations
+
+import io
+
+from kiec.progress import ProgressBar
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_the_bar_redraws_in_place_and_ends_with_a_newline():
+    screen = Terminal()
+    bar = ProgressBar(screen, min_interval=0.0)
+    for done in range(5):
+        bar("convert weights", done, 4)
+    text = screen.getvalue()
+    assert text.count("\r") == 5 and text.endswith("4/4 0.0 s\x1b[K\n")
+    assert "[############------------] 2/4" in text
+
+
+def test_in_a_log_each_step_writes_one_line_when_it_ends():
+    log = io.StringIO()
+    bar = ProgressBar(log)
+    for step, total in (("open weights", 1), ("convert weights", 3)):
+        for done in range(total + 1):
+            bar(step, done, total)
+    lines = log.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["open", "convert"] and "\r" not in log.getvalue()
+    assert lines[1].startswith("[kiec] convert weights [########################] 3/3 ")
+
+
+def test_the_reference_backend_reports_every_weight(tiny_llama):
+    from kiec.model import load_spec
+    from kiec.pipeline import build_graph
+    from kiec.runtime.engine import ReferenceBackend
+    spec = load_spec(str(tiny_llama))
+    calls = []
+    ReferenceBackend(spec, progress=lambda step, done, total: calls.append((step, done, total)))
+    weights = len(build_graph(spec).weights())
+    assert calls[:2] == [("open weights", 0, 1), ("open weights", 1, 1)]
+    assert calls[2:] == [("convert weights", n, weights) for n in range(1, weights + 1)]

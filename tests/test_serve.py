@@ -1,0 +1,396 @@
+"""`kiec serve` as clients see it: a real server process on a free localhost port, the real
+`openai` client (and raw HTTP for what that client cannot send), answers checked against
+the engine run directly on the same model."""
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import threading
+import time
+import urllib.parse
+
+import openai
+import pytest
+
+from kiec.runtime.chat import encode_chat
+from kiec.runtime.sampling import SamplingParams
+from serving import TINY_NAME, ServerProcess, write_tiny_chat_model
+
+KEY = "test-key-0123"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, smollm2_gguf):
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """The key comes from KIEC_API_KEY; small body limit to test 413 cheaply."""
+    proc = ServerProcess(tiny_model, tmp_path_factory.mktemp("log") / "serve.log", "--max-queue", "8",
+                         "--max-body-bytes", "65536", env={"KIEC_API_KEY": KEY})
+    yield proc.wait_ready()
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from kiec.model import load_spec
+    from kiec.runtime.engine import Engine
+    return Engine(load_spec(str(tiny_model)), backend="reference")
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def expected(engine, prompt_ids, **options) -> tuple[str, str, list]:
+    """(text, finish_reason, tokens) that the engine alone gives."""
+    tokens = list(engine.generate(prompt_ids, SamplingParams(**options)))
+    return "".join(t.text for t in tokens), tokens[-1].finish_reason, tokens
+
+
+def chat_ids(engine, content: str) -> list:
+    return encode_chat(engine.tokenizer, [{"role": "user", "content": content}])
+
+
+def raw(server, method: str, path: str, body=b"", headers=None, chunked=False) -> tuple:
+    """(status, headers, JSON body) of one plain HTTP request (a chunked body has no length up front)."""
+    url = urllib.parse.urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    conn.request(method, path, body=iter([body[i:i + 8192] for i in range(0, len(body), 8192)]) if chunked else body,
+                 headers={"Authorization": f"Bearer {KEY}", **(headers or {})}, encode_chunked=chunked)
+    response = conn.getresponse()
+    status, head, data = response.status, response.headers, response.read()   # headers: any case
+    conn.close()
+    return status, head, json.loads(data)
+
+
+def assert_serving(client) -> None:
+    answer = client.completions.create(model=TINY_NAME, prompt="still there?", max_tokens=2, temperature=0)
+    assert answer.usage.completion_tokens == 2
+
+
+# --- answers -----------------------------------------------------------------------------------
+
+def test_models_lists_the_served_model(client, engine):
+    models = client.models.list().data
+    assert [m.id for m in models] == [TINY_NAME]
+    assert client.models.retrieve(TINY_NAME).id == TINY_NAME
+
+
+def test_completion_equals_the_engine(client, engine):
+    want, finish, tokens = expected(engine, engine.encode("Once upon a time"), max_tokens=12)
+    got = client.completions.create(model=TINY_NAME, prompt="Once upon a time", max_tokens=12, temperature=0)
+    assert got.choices[0].text == want and got.choices[0].finish_reason == finish
+    assert got.usage.prompt_tokens == len(engine.encode("Once upon a time"))
+    assert got.usage.completion_tokens == len(tokens)
+
+
+def test_completion_stream_carries_the_same_text(client, engine):
+    want, finish, _ = expected(engine, engine.encode("Once upon a time"), max_tokens=12)
+    stream = client.completions.create(model=TINY_NAME, prompt="Once upon a time", max_tokens=12,
+                                       temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == finish
+
+
+def test_chat_stream_and_not_equal_the_engine_on_the_chat_template(client, engine):
+    ids = chat_ids(engine, "Write a haiku")
+    want, finish, _ = expected(engine, ids, max_tokens=10)
+    messages = [{"role": "user", "content": "Write a haiku"}]
+    got = client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=10, temperature=0)
+    assert got.choices[0].message.content == want and got.choices[0].finish_reason == finish
+    assert got.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=10,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == got.usage.completion_tokens
+
+
+def test_every_sampling_option_reaches_the_engine(client, engine):
+    options = dict(temperature=1.2, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.2,
+                   presence_penalty=0.5, frequency_penalty=0.3, seed=1234, max_tokens=10)
+    want, _, _ = expected(engine, engine.encode("Sampling"), **options)
+    extra = {k: options.pop(k) for k in ("top_k", "min_p", "repetition_penalty")}
+    got = client.completions.create(model=TINY_NAME, prompt="Sampling", extra_body=extra, **options)
+    assert got.choices[0].text == want
+
+
+def test_stop_strings_and_stop_ids_through_the_server(client, engine):
+    ids = engine.encode("Stop here")
+    free, _, tokens = expected(engine, ids, max_tokens=12, ignore_eos=True)
+    stop = free[len(tokens[0].text) + 1: len(tokens[0].text) + 4]     # three characters inside the text
+    want = free[: free.find(stop)]
+    got = client.completions.create(model=TINY_NAME, prompt="Stop here", max_tokens=12, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (want, "stop")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=TINY_NAME, prompt="Stop here", max_tokens=12, temperature=0, stop=stop, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert streamed == want
+    got = client.completions.create(model=TINY_NAME, prompt="Stop here", max_tokens=12, temperature=0,
+                                    extra_body={"stop_token_ids": [tokens[2].id], "ignore_eos": True})
+    assert got.usage.completion_tokens <= 3 and got.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_in_openai_shapes(client, engine):
+    _, _, tokens = expected(engine, engine.encode("Numbers"), max_tokens=4, logprobs=3)
+    got = client.completions.create(model=TINY_NAME, prompt="Numbers", max_tokens=4, temperature=0, logprobs=3)
+    lp = got.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in tokens], abs=1e-9)
+    assert [len(top) for top in lp.top_logprobs] == [3] * 4
+    assert lp.text_offset[0] == 0 and lp.tokens[0] == engine.tokenizer.decode([tokens[0].id])
+    _, _, tokens = expected(engine, chat_ids(engine, "Numbers"), max_tokens=4, logprobs=2)
+    got = client.chat.completions.create(model=TINY_NAME, messages=[{"role": "user", "content": "Numbers"}],
+                                         max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = got.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([t.logprob for t in tokens], abs=1e-9)
+    for c, t in zip(content, tokens):
+        assert [a.logprob for a in c.top_logprobs] == pytest.approx(list(t.top_logprobs.values()), abs=1e-9)
+    assert content[0].bytes == list(content[0].token.encode())
+
+
+# --- bad requests: each gets its error, and the server goes on -----------------------------------
+
+BAD_BODIES = [
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 3', 400, None, None),
+    ("/v1/completions", b'["not", "an", "object"]', 400, None, None),
+    ("/v1/completions", b'{"prompt": "hi", "temprature": 0.5}', 400, "temprature", None),
+    ("/v1/completions", b'{"model": "gpt-4", "prompt": "hi"}', 404, "model", "model_not_found"),
+    ("/v1/completions", b'{"model": "../../etc/passwd", "prompt": "hi"}', 404, "model", "model_not_found"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": -1}', 400, "max_tokens", None),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": "hot"}', 400, "temperature", None),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', 400, "top_p", None),
+    ("/v1/completions", b'{"prompt": "hi", "n": 2}', 400, "n", None),
+    ("/v1/completions", b'{"prompt": "hi", "logprobs": 50}', 400, "logprobs", None),
+    ("/v1/completions", b'{"prompt": [1, 2, 99999999]}', 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": ["one", "two"]}', 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": ""}', 400, "prompt", None),
+    ("/v1/completions", json.dumps({"prompt": [5] * 1024}).encode(), 413, "prompt", "context_length_exceeded"),
+    ("/v1/chat/completions", b'{"messages": []}', 400, "messages", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages[0].role", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', 400,
+     "top_logprobs", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
+     400, "tools", None),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, code", BAD_BODIES, ids=lambda v: str(v)[:40])
+def test_bad_request_gets_an_openai_error_naming_the_field(server, client, path, body, status, param, code):
+    got, _, answer = raw(server, "POST", path, body, {"Content-Type": "application/json"})
+    assert got == status
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["param"], error["code"]) == (param, code)
+    if param:
+        assert error["message"].startswith(param.split("[")[0])
+    assert_serving(client)
+
+
+def test_unknown_field_error_suggests_the_near_name(server):
+    _, _, answer = raw(server, "POST", "/v1/completions", b'{"prompt": "hi", "temprature": 0.5}')
+    assert "did you mean 'temperature'" in answer["error"]["message"]
+
+
+def test_the_openai_client_sees_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=TINY_NAME, prompt="hi", max_tokens=-3)
+    assert err.value.body["param"] == "max_tokens"
+    assert_serving(client)
+
+
+def test_api_key_is_required(server, client):
+    for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        status, _, answer = raw(server, "GET", "/v1/models", headers=headers)
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+    status, _, _ = raw(server, "POST", "/v1/completions", b'{"prompt": "hi"}', {"Authorization": "Bearer x"})
+    assert status == 401
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert_serving(client)
+
+
+def test_body_over_the_limit_is_413(server, client):
+    body = json.dumps({"prompt": "x" * 70_000}).encode()
+    status, _, answer = raw(server, "POST", "/v1/completions", body)
+    assert status == 413 and answer["error"]["code"] == "request_too_large"
+    status, _, _ = raw(server, "POST", "/v1/completions", body, chunked=True)
+    assert status == 413
+    assert_serving(client)
+
+
+def test_unknown_route_and_method_are_openai_shaped(server):
+    status, _, answer = raw(server, "GET", "/v1/engines")
+    assert status == 404 and "error" in answer
+    status, _, answer = raw(server, "GET", "/v1/completions")
+    assert status == 405 and "error" in answer
+
+
+def test_binds_loopback_by_default(server):
+    assert server.url.startswith("http://127.0.0.1:")
+
+
+# --- several clients at once -------------------------------------------------------------------
+
+def test_concurrent_clients_each_get_their_own_answer(server, engine):
+    jobs = [(i, f"client {i} asks about topic {i * 7}", i % 2 == 0) for i in range(8)]
+    want = {i: expected(engine, chat_ids(engine, text), temperature=1.0, seed=100 + i, max_tokens=6)[0]
+            for i, text, _ in jobs}
+    got, errors = {}, []
+    start = threading.Barrier(len(jobs))
+
+    def ask(i, text, stream):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        start.wait()
+        try:
+            args = dict(model=TINY_NAME, messages=[{"role": "user", "content": text}], temperature=1.0,
+                        seed=100 + i, max_tokens=6)
+            if stream:
+                got[i] = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                    stream=True, **args))
+            else:
+                got[i] = client.chat.completions.create(**args).choices[0].message.content
+        except Exception as err:     # reported below with the request it belongs to
+            errors.append((i, err))
+    threads = [threading.Thread(target=ask, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and got == want
+
+
+def open_stream(server, max_tokens: int):
+    """A long streaming completion, read up to its first token; (connection, response)."""
+    url = urllib.parse.urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    body = json.dumps({"prompt": "a long story", "max_tokens": max_tokens, "stream": True, "temperature": 0,
+                       "ignore_eos": True})
+    conn.request("POST", "/v1/completions", body=body, headers={"Authorization": f"Bearer {KEY}"})
+    response = conn.getresponse()
+    assert response.status == 200
+    while not response.readline().startswith(b"data: {"):
+        pass
+    return conn, response
+
+
+def health(server) -> dict:
+    return raw(server, "GET", "/health")[2]
+
+
+def wait_for(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def send_only(server, body: dict):
+    """A request whose answer is never read: the connection, to close while it waits."""
+    url = urllib.parse.urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Authorization": f"Bearer {KEY}"})
+    return conn
+
+
+def test_requests_wait_in_order_and_leaving_clients_free_the_engine(server, client):
+    before = health(server)
+    conn, _ = open_stream(server, max_tokens=1000)
+    finished = []
+
+    def ask(i):
+        answer = client.completions.create(model=TINY_NAME, prompt=f"queued {i}", max_tokens=2, temperature=0)
+        finished.append((i, answer.id))
+    threads, leaver = [], None
+    for i in range(4):       # each one enters the queue before the next is sent
+        threads.append(threading.Thread(target=ask, args=(i,)))
+        threads[-1].start()
+        wait_for(lambda: health(server)["waiting"] == len(threads) + (leaver is not None))
+        if i == 1:           # a client that gives up while it waits is never run
+            leaver = send_only(server, {"prompt": "I will leave", "max_tokens": 500, "stream": True})
+            wait_for(lambda: health(server)["waiting"] == 3)
+    assert finished == [] and health(server)["running"]
+    leaver.close()
+    conn.close()             # the streaming client leaves: its generation stops, the queue moves
+    for t in threads:
+        t.join(timeout=60)
+    log = server.log()
+    assert sorted(i for i, _ in finished) == [0, 1, 2, 3]
+    assert sorted(finished, key=lambda done: log.index(done[1])) == sorted(finished), "answered out of order"
+    after = health(server)
+    assert after["cancelled"] == before["cancelled"] + 2
+    assert after["completed"] == before["completed"] + 4
+    cancelled = re.findall(r"200 cmpl-\w+ cancelled: \d+ prompt tokens \(\d+ cached\), (\d+) completion tokens", log)
+    assert cancelled and int(cancelled[-1]) < 1000
+    assert re.search(r"200 cmpl-\w+ cancelled: queued", log)
+
+
+def test_full_queue_answers_503_and_the_server_recovers(tiny_model, tmp_path):
+    proc = ServerProcess(tiny_model, tmp_path / "serve.log", "--max-queue", "1").wait_ready()
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        conn, _ = open_stream(proc, max_tokens=1000)
+        waiting = threading.Thread(target=assert_serving, args=(client,))
+        waiting.start()
+        wait_for(lambda: health(proc)["waiting"] == 1)
+        status, headers, answer = raw(proc, "POST", "/v1/completions", b'{"prompt": "one too many"}')
+        assert status == 503 and answer["error"]["code"] == "queue_full" and headers["Retry-After"] == "1"
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model=TINY_NAME, prompt="one too many", max_tokens=2)
+        conn.close()
+        waiting.join(timeout=60)
+        assert not waiting.is_alive()
+        assert_serving(client)
+        assert health(proc)["rejected"] == 2
+    finally:
+        proc.stop()
+
+
+# --- a soak of sequential requests, each checked against the engine -------------------------------
+
+def test_soak_of_sequential_requests_loses_and_mixes_nothing(server, client, engine):
+    lines_before = server.log().count("tok/s decode")
+    for i in range(240):
+        text, seed, stream, chat = f"soak request {i}", 1000 + i, i % 3 == 0, i % 2 == 0
+        ids = chat_ids(engine, text) if chat else engine.encode(text)
+        want = expected(engine, ids, temperature=1.0, seed=seed, max_tokens=4)[0]
+        args = dict(model=TINY_NAME, temperature=1.0, seed=seed, max_tokens=4, stream=stream)
+        if chat:
+            answer = client.chat.completions.create(messages=[{"role": "user", "content": text}], **args)
+            got = "".join(c.choices[0].delta.content or "" for c in answer) if stream \
+                else answer.choices[0].message.content
+        else:
+            answer = client.completions.create(prompt=text, **args)
+            got = "".join(c.choices[0].text for c in answer) if stream else answer.choices[0].text
+        assert got == want, f"request {i}"
+    wait_for(lambda: server.log().count("tok/s decode") >= lines_before + 240)   # one log line each
+
+
+# --- the real SmolLM2 -----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_smollm2_chat_through_the_server_equals_the_engine(tmp_path):
+    from kiec.model import load_spec
+    from kiec.runtime.engine import Engine
+    proc = ServerProcess("smollm2", tmp_path / "serve.log")        # loads while this process does too
+    try:
+        engine = Engine(load_spec("smollm2"), backend="reference")
+        question = "What is the capital of France?"
+        want, finish, _ = expected(engine, chat_ids(engine, question), max_tokens=24)
+        client = openai.OpenAI(base_url=proc.wait_ready().url + "/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        got = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=24, temperature=0,
+                                             messages=[{"role": "user", "content": question}])
+        assert got.choices[0].message.content == want and got.choices[0].finish_reason == finish
+        assert "Paris" in want
+    finally:
+        proc.stop()
