@@ -50,4 +50,6 @@ def cmd_chat(args) -> int:
     return chat_loop(session, quiet=args.quiet)
 
 
-COMMANDS: list = [register_serve, register_chat]
+from .compiler import register_compile  # noqa: E402  (beside the module it drives)
+
+COMMANDS: list = [register_compile, register_serve, register_chat]

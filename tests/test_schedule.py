@@ -1,0 +1,179 @@
+"""fuse, schedule and memplan alone, on small IR; then the Python twin of the schedule against the
+graph interpreter (the twin reads the packed blob exactly as the kernel does)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiec.errors import KiecError
+from kiec.ir.graph import Graph
+from kiec.model import load_spec
+from kiec.options import CompileOptions
+from kiec.pack import pack_weights, permute_pairs, unpermute_pairs
+from kiec.passes.fuse import fuse
+from kiec.passes.memplan import memplan
+from kiec.passes.schedule import qkv_tiles_of_group, schedule
+from kiec.pipeline import build_graph, build_schedule
+from kiec.reference.interpreter import Reference, reference_weights
+from kiec.reference.twin import Twin
+from kiec.synthetic import preset, write_random_model
+from kiec.targets import TARGETS
+from kiec.weights import load_checkpoint
+
+KINDS_PER_LAYER = ["qkv", "attention", "attn_out", "gate_up", "down"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sched")
+    out = {}
+    for name in ("tiny-llama", "tiny-qwen2", "tiny-mistral"):
+        out[name] = write_random_model(root / name, name, seed=3, dtype="bf16")
+    return out
+
+
+def spec_of(folder, **changes):
+    return load_spec(str(folder), dict({"max_seq_len": 512}, **changes))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+def test_fuse_covers_every_op_once_in_order(models, name):
+    spec = spec_of(models[name])
+    graph = build_graph(spec)
+    sched = fuse(graph, spec.config)
+    ops = [i for s in sched.stages for i in s.ops]
+    assert ops == list(range(len(graph.ops)))
+    kinds = [s.kind for s in sched.stages]
+    assert kinds == KINDS_PER_LAYER * spec.config.layers + ["lm_head"]
+    assert all(s.layer == i // 5 for i, s in enumerate(sched.stages[:-1]))
+
+
+def test_fuse_refuses_an_op_no_pattern_knows(models):
+    spec = spec_of(models["tiny-llama"])
+    graph = build_graph(spec)
+    broken = Graph(graph.arch, graph.lanes, dict(graph.tensors), list(graph.ops))
+    broken.ops.insert(3, broken.ops[5])           # a second RoPE where a Linear belongs
+    with pytest.raises(KiecError, match="stage pattern"):
+        fuse(broken, spec.config)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_schedule_tiles_cover_rows_and_fit_shared_memory(models, name, target):
+    spec = spec_of(models[name], target=target)
+    _, sched = build_schedule(spec)
+    grid, t = sched.grid, TARGETS[target]
+    assert grid.slots >= 2
+    assert grid.slots * grid.slot_bytes + grid.scratch_bytes + 1024 <= t.smem_bytes
+    for s in sched.stages:
+        if s.gemv is None:
+            assert s.attr("splits") * s.attr("split_len") >= spec.max_seq_len
+            assert s.tiles == s.attr("kv_heads") * s.attr("splits")
+            continue
+        g = s.gemv
+        width = grid.blocks if s.kind == "lm_head" else grid.blocks_per_lane
+        assert s.tiles <= width
+        assert (s.tiles - 1) * g.rows_per_tile < g.rows <= s.tiles * g.rows_per_tile
+        if s.kind in ("qkv", "gate_up"):
+            assert g.rows_per_tile % 2 == 0          # RoPE pairs and gate/up pairs stay in one tile
+        assert g.segments & (g.segments - 1) == 0 and g.stride >= g.cols and g.seg_width % 8 == 0
+        assert g.unit_bytes <= grid.slot_bytes
+
+
+def test_attention_waits_for_exactly_the_qkv_tiles_of_its_group(models):
+    spec = spec_of(models["tiny-qwen2"])
+    _, sched = build_schedule(spec)
+    for s in sched.stages:
+        if s.kind != "attention":
+            continue
+        qkv = sched.stages[s.index - 1]
+        rpt = qkv.gemv.rows_per_tile
+        for j, count in enumerate(s.attr("group_signals")):
+            tiles = qkv_tiles_of_group(qkv, j)
+            assert count == len(tiles)
+            # brute force: a tile touches group j if any of its rows is one of the group's rows
+            hd, q_rows, kv_rows = qkv.attr("head_dim"), qkv.attr("q_rows"), qkv.attr("kv_rows")
+            group_q = q_rows // (kv_rows // hd)
+            rows = set(range(j * group_q, (j + 1) * group_q)) | set(range(q_rows + j * hd, q_rows + (j + 1) * hd)) \
+                | set(range(q_rows + kv_rows + j * hd, q_rows + kv_rows + (j + 1) * hd))
+            want = sorted({r // rpt for r in rows})
+            assert tiles == want
+
+
+def test_compile_options_change_the_ring(models):
+    spec = spec_of(models["tiny-llama"])
+    _, base = build_schedule(spec)
+    _, big = build_schedule(spec, options=CompileOptions(slot_bytes=32768, max_slots=3))
+    assert base.grid.slot_bytes == TARGETS["cuda:sm_90"].slot_bytes
+    assert (big.grid.slot_bytes, big.grid.slots) == (32768, 3)
+    with pytest.raises(KiecError, match="slot_bytes"):
+        CompileOptions(slot_bytes=1000)
+    with pytest.raises(KiecError, match="nosuch"):
+        CompileOptions.parse("nosuch=3")
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
+def test_memplan_regions_do_not_overlap_and_are_aligned(models, name):
+    spec = spec_of(models[name])
+    _, sched = build_schedule(spec)
+    for region, entries in sched.memory.items():
+        # weights keep lane entries relative to the lane region; the other regions hold lane 0 absolute
+        base = entries["__lanes_base"][0] if region == "weights" else 0
+        spans = sorted((o + (base if k.startswith("lane.") else 0), o + n + (base if k.startswith("lane.") else 0), k)
+                       for k, (o, n) in entries.items() if not k.startswith("__") and n)
+        for (a0, a1, ka), (b0, b1, kb) in zip(spans, spans[1:]):
+            assert a1 <= b0, f"{region}: {ka} overlaps {kb}"
+        align = 128 if region == "sync" else 256
+        assert all(o % align == 0 for o, _, _ in spans)
+    sync = sched.memory["sync"]
+    lines = [o // 128 for k, (o, n) in sync.items() if not k.startswith("__")]
+    assert len(lines) == len(set(lines))             # every counter and flag on its own cache line
+    for s in sched.gemv_stages():
+        assert s.gemv.offset % 256 == 0
+
+
+def test_pair_permutation_round_trips():
+    rows = np.arange(3 * 8 * 5, dtype=np.float32).reshape(24, 5)
+    p = permute_pairs(rows, 8, "half")
+    assert np.array_equal(p[0], rows[0]) and np.array_equal(p[1], rows[4])     # (x[j], x[j + hd/2]) adjacent
+    assert np.array_equal(unpermute_pairs(p, 8, "half"), rows)
+    assert permute_pairs(rows, 8, "adjacent") is rows
+
+
+def _twin_vs_reference(spec, positions):
+    graph, sched = build_schedule(spec)
+    weights = reference_weights(graph, load_checkpoint(spec))
+    blob = pack_weights(sched, weights, spec.config, spec.max_seq_len, spec.dtype)
+    twin = Twin(sched, blob, spec.config, spec.max_seq_len, spec.dtype)
+    ref = Reference(graph, weights, spec.config, spec.max_seq_len, np.float64)
+    rng = np.random.default_rng(5)
+    worst = 0.0
+    for pos in range(positions):
+        token = int(rng.integers(spec.config.vocab))
+        want = ref.forward([token])[-1]
+        got, trace = twin.step(token, pos)
+        assert np.all(np.isfinite(got))
+        worst = max(worst, float(np.linalg.norm(got - want) / np.linalg.norm(want)))
+        assert np.argmax(got) == np.argmax(want) or np.sort(want)[-1] - np.sort(want)[-2] < 1e-2
+    return worst
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_twin_follows_the_reference(models, name):
+    # bf16 checkpoints: the blob holds the same weights, the twin differs by its bf16 KV cache only
+    assert _twin_vs_reference(spec_of(models[name]), 40) < 1e-2
+
+
+def test_twin_follows_the_reference_past_splits_and_window(models):
+    spec = spec_of(models["tiny-mistral"], max_seq_len=600)
+    _, sched = build_schedule(spec)
+    att = next(s for s in sched.stages if s.kind == "attention")
+    positions = att.attr("split_len") * 2 + 10            # three splits; the window is 16
+    assert positions < spec.max_seq_len
+    assert _twin_vs_reference(spec, positions) < 1e-2
+
+
+def test_twin_follows_the_reference_with_lanes(models):
+    # the lane protocol of the schedule (present everywhere) and DTP past(1) as an explicit approximation
+    for changes in ({"lanes": 2}, {"lanes": 2, "dtp_delay": 1}):
+        assert _twin_vs_reference(spec_of(models["tiny-llama"], **changes), 12) < 1e-2
