@@ -94,6 +94,7 @@ def check_model(name, spec, cfg, compiled, bench: bool, log, keep: dict | None =
     steps = 8 if big else 64
     start = positions
     tokens = [int(t) for t in rng.integers(vocab, size=steps)]
+    backend.poison()
     got = backend.teacher_forced(tokens, start)
     want = np.stack([twin.step(t, start + i)[0] for i, t in enumerate(tokens)])
     errs, agree = logit_errors(got, want)
@@ -102,6 +103,7 @@ def check_model(name, spec, cfg, compiled, bench: bool, log, keep: dict | None =
     out["tf_max_err"] = float(f"{errs.max():.3g}")
     out["tf_argmax_agree"] = agree
     # 3. determinism: the same launch twice, bitwise
+    backend.poison()
     again = backend.teacher_forced(tokens, start)
     out["bitwise_repeat"] = bool(np.array_equal(got.view(np.uint32), again.view(np.uint32)))
     # 4. one launch per sequence selects what one launch per step selects

@@ -129,6 +129,10 @@ class GpuBackend:
         self._finish()
         return self.read_logits()
 
+    def poison(self) -> None:
+        """NaN into every buffer a step rewrites: an element the next launch misses stays NaN."""
+        self.kernel.poison()
+
     def read_logits(self) -> np.ndarray:
         return self.kernel.read(REGION_ACTS, self.logits_offset, 4 * self.vocab).view(np.float32).copy()
 

@@ -1,0 +1,40 @@
+"""A small run of the monokernel for compute-sanitizer: `compute-sanitizer --tool memcheck python -m kiec.sancheck`.
+
+Random tiny weights in memory, a few single-step launches, one multi-step launch; exits non-zero
+if anything the kernel returns is not finite.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="tiny-llama")
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args(argv)
+    from .model import load_spec
+    from .runtime.gpu import GpuBackend
+    from .synthetic import preset, random_checkpoint
+    cfg = preset(args.preset)
+    folder = Path(tempfile.mkdtemp(prefix="kiec-sancheck-"))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    spec = load_spec({"weights": str(folder), "max_seq_len": 256})
+    backend = GpuBackend(spec, checkpoint=random_checkpoint(cfg, seed=1), quiet=True, timeout_s=30.0)
+    logits = backend.forward([1, 2, 3], 0)
+    for i in range(args.steps):
+        logits = backend.forward([int(np.argmax(logits))], 3 + i)
+    tokens = list(backend.generate_on_device([5, 6], 3 + args.steps, args.steps))
+    ok = bool(np.all(np.isfinite(logits))) and len(tokens) == args.steps
+    print(f"sancheck {'ok' if ok else 'FAILED'}: {len(tokens)} tokens, logits finite {np.all(np.isfinite(logits))}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
