@@ -102,14 +102,15 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
             entry["signals"] = len(group_signals)
             group_signals.extend(s.attr("group_signals"))
     att = next(s for s in sched.stages if s.kind == "attention")
-    # x chunks one lane keeps in registers: enough for the widest segment, at most 8 (64 registers)
+    # x chunks one lane keeps in registers: enough for the widest segment, at most 4 (32 registers);
+    # a stage with wider segments reads x from shared memory instead
     widest = max(s.gemv.seg_width for s in sched.gemv_stages())
-    x_chunks = min(8, -(-widest // (8 * target.warp_size)))
+    x_chunks = min(4, -(-widest // (8 * target.warp_size)))
     w, a, kv, sy = (sched.memory[k] for k in ("weights", "acts", "kv", "sync"))
     c = dict(hidden=cfg["hidden"], d_embed=-(-cfg["hidden"] // 8) * 8, head_dim=cfg["head_dim"],
              group=att.attr("heads") // att.attr("kv_heads"), kv_heads=att.attr("kv_heads"), heads=att.attr("heads"),
              vocab=cfg["vocab"], max_seq=cfg["max_seq_len"], layers=cfg["layers"], split_len=att.attr("split_len"),
-             splits=att.attr("splits"), attention_rows=att.attr("rows"), x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes))
+             splits=att.attr("splits"), attention_rows=att.attr("rows"), x_chunks=x_chunks, prefetch_chunks=sched.grid.prefetch_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes))
     m = dict(w_embed=w["embed"][0], w_final_norm=w["final_norm"][0], w_rope=w["rope"][0],
              w_lanes_base=w["__lanes_base"][0], w_lane_stride=w["__lane_stride"][0], w_total=w["__total"][0],
              a_h=a["lane.h"][0], a_q=a["lane.q"][0], a_attn=a["lane.attn_out"][0], a_act=a["lane.act"][0],
@@ -119,9 +120,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              kv_lane_stride=kv["__lane_stride"][0], kv_total=kv["__total"][0],
              s_abort=sy["abort"][0], s_error=sy["error"][0], s_select=sy["select"][0], s_lm_ticket=sy["lm_ticket"][0],
              s_lane_stride=sy["__lane_stride"][0], s_total=sy["__total"][0])
-    threads = sched.grid.threads
-    bounds = target.kernel_bounds.format(threads=threads, regs=min(255, target.registers // threads // 8 * 8))
-    context = dict(model=sched.model, version=__version__, target=target, grid=sched.grid, c=c, m=m, bounds=bounds,
+    context = dict(model=sched.model, version=__version__, target=target, grid=sched.grid, c=c, m=m,
                    stages=stages, stage_kinds=[(k, i) for i, k in enumerate(STAGE_KINDS)],
                    group_signals=group_signals or [0], trace_floats=trace_floats, module_name=module_name)
     env = _env()

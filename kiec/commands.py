@@ -50,6 +50,7 @@ def cmd_chat(args) -> int:
     return chat_loop(session, quiet=args.quiet)
 
 
+from .bench import register_bench  # noqa: E402  (beside the module it drives)
 from .compiler import register_compile  # noqa: E402  (beside the module it drives)
 
-COMMANDS: list = [register_compile, register_serve, register_chat]
+COMMANDS: list = [register_compile, register_bench, register_serve, register_chat]

@@ -43,8 +43,9 @@ def check_variant(name, spec, ckpt, compiled, options, reference_logits, log) ->
     from .golden import logit_errors
     from .runtime.gpu import GpuBackend
     backend = GpuBackend(spec, checkpoint=ckpt, compiled=compiled, timeout_s=3.0)
-    tokens, start, want = reference_logits
-    errs, agree = logit_errors(backend.teacher_forced(tokens, start), want)
+    tokens, want = reference_logits          # the default build's logits of the last steps of `tokens`
+    backend.poison()
+    errs, agree = logit_errors(backend.teacher_forced(tokens, 0)[-len(want):], want)
     out = {"model": f"{name}[{options.label()}]", "build_s": round(compiled.build_s, 1), "report": compiled.build.report,
            "stage_err": {"vs default": float(f"{errs.max():.3g}")}, "first_bad_stage": None,
            "tf_max_err": float(f"{errs.max():.3g}"), "tf_argmax_agree": agree, "bitwise_repeat": None,
@@ -80,8 +81,10 @@ def check_model(name, spec, cfg, compiled, bench: bool, log, keep: dict | None =
     worst: dict = {}
     first_bad = None
     positions = 3 if big else 6
+    context = []
     for pos in range(positions):
         token = int(rng.integers(vocab))
+        context.append(token)
         for stage, err in stage_diffs(backend, twin, token, pos):
             kind = stage.split("[")[0]
             worst[kind] = max(worst.get(kind, 0.0), err)
@@ -99,7 +102,7 @@ def check_model(name, spec, cfg, compiled, bench: bool, log, keep: dict | None =
     want = np.stack([twin.step(t, start + i)[0] for i, t in enumerate(tokens)])
     errs, agree = logit_errors(got, want)
     if keep is not None:
-        keep["logits"] = (tokens, start, got)
+        keep["logits"] = (context + tokens, got)
     out["tf_max_err"] = float(f"{errs.max():.3g}")
     out["tf_argmax_agree"] = agree
     # 3. determinism: the same launch twice, bitwise

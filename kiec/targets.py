@@ -22,8 +22,6 @@ class Target:
     compile_flags: tuple
     check_compiler: str       # device-only compile check, no GPU needed
     check_flags: tuple
-    kernel_bounds: str = "__launch_bounds__({threads}, 1)"   # how the kernel asks for its registers
-    registers: int = 65536    # register file of one multiprocessor (one block owns it)
 
 
 TARGETS = {
@@ -36,8 +34,6 @@ TARGETS = {
         check_compiler="nvcc",
         check_flags=("-O3", "-std=c++17", "-x", "cu", "-cubin", "-gencode=arch=compute_90a,code=sm_90a",
                      "-Xptxas=-v"),
-        # launch bounds would let ptxas budget for 384 threads (168 registers); one block per SM can have 224
-        kernel_bounds="__maxnreg__({regs})",
     ),
     "hip:gfx942": Target(
         name="hip:gfx942", vendor="amd", arch="gfx942", warp_size=64, multiprocessors=304,

@@ -1,0 +1,235 @@
+"""`kiec bench MODEL`: kiec's decode speed against the floor and its peers, in one run on one GPU.
+
+    kiec bench llama-3.2-1b [--contexts 128,8192] [--steps 128] [--no-peers] [--hf] [--json out.json]
+
+One run measures, in order: the device's read bandwidth (kiec's own 16-byte grid-stride read,
+kiec.probe); kiec's ms/token at each context, one launch per step and one launch per sequence
+(the kernel's own event time); the torch peers on the same weights (plain ops in one CUDA graph,
+and torch.compile then one CUDA graph; CUDA events between replays); and, with --hf,
+transformers' `generate`. The floor of a context is its bytes per token (kiec.inspect) over the
+best read of this same run. MODEL is anything `kiec run` takes, or a synthetic preset
+(kiec.synthetic.PRESETS): random weights at real shapes, made in memory.
+Everything GPU-side is imported when it runs, so `--help` and the argument checks work anywhere.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .bench_report import format_table, summarize
+from .errors import KiecError, nearest
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    contexts: tuple = (128, 8192)
+    steps: int = 128          # timed steps per measurement (positions context .. context + steps - 1)
+    peers: bool = True
+    hf: bool = False
+    seed: int = 0             # the random weights of a preset, and the tokens fed
+
+    def __post_init__(self):
+        if not self.contexts or any(isinstance(c, bool) or not isinstance(c, int) or c <= 0 for c in self.contexts):
+            raise KiecError("--contexts", self.contexts, "positive context lengths, e.g. 128,8192")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
+            raise KiecError("--steps", self.steps, "an integer of at least 2")
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.contexts) + self.steps
+
+
+def parse_contexts(text: str) -> tuple:
+    try:
+        contexts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise KiecError("--contexts", text, "comma-separated context lengths, e.g. 128,8192") from None
+    return contexts
+
+
+class BenchModel:
+    """MODEL resolved: its spec (max_seq_len fitted to the run), its weights, a folder transformers loads."""
+
+    def __init__(self, model: str, options: BenchOptions, workdir: Path):
+        from .model import arch_config, builtin_models, load_spec
+        from .synthetic import PRESETS, preset
+        self.name, self.options, self.workdir = model, options, workdir
+        self.preset = preset(model) if model in PRESETS and not Path(model).exists() else None
+        if self.preset is None and not Path(model).expanduser().exists() and model not in builtin_models():
+            raise KiecError("model", model, "a model.json, a model folder, a GGUF file, "
+                            + ", ".join(builtin_models()) + " or a synthetic preset (" + ", ".join(PRESETS) + ")",
+                            nearest(model, list(PRESETS) + list(builtin_models())))
+        if self.preset is not None:
+            arch = {"laneformer_tp": "laneformer"}.get(self.preset["model_type"], self.preset["model_type"])
+            max_positions = arch_config(arch, self.preset).max_positions
+        else:
+            max_positions = load_spec(model).config.max_positions
+        if options.max_seq_len > max_positions:
+            raise KiecError("--contexts", max(options.contexts),
+                            f"context + steps ({options.max_seq_len}) at most the model's max_position_embeddings "
+                            f"({max_positions})")
+        if self.preset is not None:
+            (workdir / "config.json").write_text(json.dumps(self.preset))
+            self.spec = load_spec({"name": model, "weights": str(workdir), "max_seq_len": options.max_seq_len})
+        else:
+            self.spec = load_spec(model, {"max_seq_len": options.max_seq_len})
+        if options.peers and self.spec.config.arch == "laneformer":
+            raise KiecError("model", model, "a llama, qwen2 or mistral model for the torch peers",
+                            "pass --no-peers to time kiec alone")
+
+    def checkpoint(self):
+        from .synthetic import random_checkpoint
+        from .weights import load_checkpoint
+        if self.preset is not None:
+            return random_checkpoint(self.preset, self.options.seed)
+        return load_checkpoint(self.spec)
+
+    def hf_source(self) -> str:
+        """A folder (or GGUF) transformers loads; a preset's random weights are written out for it."""
+        if self.preset is not None:
+            from .synthetic import write_random_model
+            write_random_model(self.workdir, self.preset, self.options.seed, dtype="bf16")   # = checkpoint()
+            return str(self.workdir)
+        return self.spec.weights
+
+
+# --- measurements (GPU) ---------------------------------------------------------------------------
+
+def time_kiec(backend, context: int, steps: int, rng) -> dict:
+    """kiec's ms/token from position `context`: one launch per step (median of the kernel's event times)
+    and one launch for all `steps` (median of 3 launches, per token). Every step gets another token."""
+    tokens = [int(t) for t in rng.integers(backend.vocab, size=steps)]
+    backend._launch(tokens[:1], steps, context)          # warm-up: module load, first touch of the cache
+    backend._finish()
+    per_step = []
+    for i, token in enumerate(tokens):
+        backend._launch([token], 1, context + i)
+        per_step.append(backend._finish())
+    per_sequence = []
+    for token in tokens[:3]:
+        backend._launch([token], steps, context)
+        per_sequence.append(backend._finish() / steps)
+    return {"kiec per-step": {"ms_per_token": float(np.median(per_step)), "launches": steps},
+            "kiec per-sequence": {"ms_per_token": float(np.median(per_sequence)), "launches": len(per_sequence),
+                                  "steps_per_launch": steps}}
+
+
+def time_torch_peers(spec, checkpoint, options: BenchOptions, rng, log) -> dict:
+    """context -> {"torch graph": ..., "torch.compile graph": ...}; the cache fits each context."""
+    import torch
+    from .baselines.torch_decode import GraphedStep, TorchDecoder, compile_step, time_replays
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+    decoder = TorchDecoder(spec, checkpoint, options.contexts[0] + options.steps, device="cuda", dtype=dtype)
+    compiled = compile_step(decoder)
+    out = {}
+    for context in options.contexts:
+        decoder.resize_cache(context + options.steps)    # attention reads the whole static cache
+        out[context] = {}
+        for name, step in (("torch graph", decoder), ("torch.compile graph", compiled)):
+            log(f"{name} at context {context}" + (" (compiling, autotuning)" if step is compiled else ""))
+            graphed = GraphedStep(step, decoder)
+            token = int(rng.integers(spec.config.vocab))
+            out[context][name] = time_replays(graphed, token, context, options.steps)
+            del graphed
+    del decoder, compiled
+    torch.cuda.empty_cache()
+    return out
+
+
+def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None) -> dict:
+    """Every measurement of one run, raw (summarize() adds the floor, shares and speedups)."""
+    from .inspect import bytes_per_token
+    from .probe import read_bandwidth
+    from .runtime.gpu import GpuBackend
+    spec = model.spec
+    raw = {"model": model.name, "arch": spec.config.arch, "dtype": spec.dtype, "steps": options.steps,
+           "device": _device_name(), "contexts": []}
+    log("read bandwidth (kiec.probe)")
+    raw["bandwidth"] = read_bandwidth()
+    log("weights")
+    checkpoint = model.checkpoint()
+    log("kiec: build and upload")
+    backend = GpuBackend(spec, checkpoint=checkpoint, quiet=True)
+    rng = np.random.default_rng(options.seed)
+    measured = {}
+    for context in options.contexts:
+        log(f"kiec at context {context}")
+        measured[context] = time_kiec(backend, context, options.steps, rng)
+    del backend
+    if options.peers:
+        for context, rows in time_torch_peers(spec, checkpoint, options, rng, log).items():
+            measured[context].update(rows)
+    if options.hf:
+        from .baselines.hf_generate import load_hf_model, time_generate
+        log("HF generate: load")
+        hf = load_hf_model(model.hf_source(), "cuda", spec.dtype)
+        for context in options.contexts:
+            log(f"HF generate at context {context}")
+            measured[context]["HF generate"] = time_generate(hf, context, options.steps, options.seed)
+    for context in options.contexts:
+        raw["contexts"].append({"context": context, "bytes_per_token": bytes_per_token(spec, context),
+                                "measured": measured[context]})
+    return raw
+
+
+def _device_name() -> str:
+    try:
+        import torch
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    except ImportError:
+        return ""
+
+
+def require_gpu(peers: bool) -> None:
+    from .runtime.gpu import gpu_available
+    if not gpu_available():
+        raise KiecError("device", "no GPU", "an NVIDIA GPU with nvidia-smi and nvcc (kiec bench times kernels on it)")
+    if peers:
+        try:
+            import torch
+        except ImportError:
+            raise KiecError("torch", "not installed", "torch with CUDA for the peers", "or pass --no-peers") from None
+        if not torch.cuda.is_available():
+            raise KiecError("torch", f"{torch.__version__} without CUDA", "torch with CUDA for the peers",
+                            "or pass --no-peers")
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+def register_bench(sub) -> None:
+    from .synthetic import PRESETS
+    d = BenchOptions()
+    p = sub.add_parser("bench", help="kiec's ms/token against the read-bandwidth floor and the torch / HF peers (GPU)")
+    p.add_argument("model", help="a model.json, a model folder, a GGUF file, 'smollm2', or a synthetic preset with "
+                                 "random weights: " + ", ".join(PRESETS))
+    p.add_argument("--contexts", default=",".join(map(str, d.contexts)),
+                   help="context lengths to time at, comma-separated (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed decode steps per measurement (default: %(default)s)")
+    p.add_argument("--no-peers", action="store_true", help="time kiec alone (no torch peers)")
+    p.add_argument("--hf", action="store_true", help="also time transformers' generate (slow)")
+    p.add_argument("--seed", type=int, default=d.seed, help="a preset's random weights and the tokens fed")
+    p.add_argument("--json", type=Path, help="write every measurement and derived number here")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    options = BenchOptions(contexts=parse_contexts(args.contexts), steps=args.steps, peers=not args.no_peers,
+                           hf=args.hf, seed=args.seed)
+    if args.json is not None and not args.json.parent.is_dir():     # found now, not after minutes of timing
+        raise KiecError("--json", str(args.json), "a file in an existing folder")
+    quiet = getattr(args, "quiet", False)
+    log = (lambda m: None) if quiet else (lambda m: print(f"[kiec bench] {m}", file=sys.stderr, flush=True))
+    with tempfile.TemporaryDirectory(prefix="kiec-bench-") as workdir:
+        model = BenchModel(args.model, options, Path(workdir))    # argument errors come before the GPU check
+        require_gpu(options.peers)
+        summary = summarize(run_bench(model, options, log))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+    print(format_table(summary))
+    return 0
+

@@ -1,0 +1,59 @@
+"""What `kiec bench` reports: the floor, each row's share of it and its speedup over each peer, as a
+table and as JSON. Pure arithmetic on the measurements (no GPU), so it is tested on any machine.
+
+floor (ms/token) = bytes per token / the best read bandwidth of the same run; a row's share of the
+floor = floor / its ms per token; its speedup over a peer = the peer's ms per token / its own.
+"""
+from __future__ import annotations
+
+ROWS = ("kiec per-step", "kiec per-sequence", "torch graph", "torch.compile graph", "HF generate")
+PEERS = ROWS[2:]
+FLOOR_BANDWIDTH = "best_bps"      # the floor is what the device's best streaming read allows
+
+
+def summarize(raw: dict) -> dict:
+    """`raw` (run_bench's measurements) plus, per context, the floor and one derived row per measurement."""
+    bandwidth = raw["bandwidth"][FLOOR_BANDWIDTH]
+    contexts = []
+    for ctx in raw["contexts"]:
+        measured = ctx["measured"]
+        unknown = sorted(set(measured) - set(ROWS))
+        if unknown:
+            raise ValueError(f"unknown bench rows {unknown}; known: {ROWS}")
+        floor_ms = ctx["bytes_per_token"]["total"] / bandwidth * 1e3
+        peers = [p for p in PEERS if p in measured]
+        rows = []
+        for name in (r for r in ROWS if r in measured):
+            ms = measured[name]["ms_per_token"]
+            rows.append({"name": name, "ms_per_token": ms, "tok_s": 1e3 / ms, "floor_share": floor_ms / ms,
+                         "speedup": {p: measured[p]["ms_per_token"] / ms for p in peers if p != name}})
+        contexts.append(dict(ctx, floor_ms=floor_ms, rows=rows))
+    return dict(raw, floor_bandwidth=FLOOR_BANDWIDTH, contexts=contexts)
+
+
+NAME, NUM, PCT = 22, 11, 9
+
+
+def format_table(summary: dict) -> str:
+    """One table per context: rows bandwidth, floor, then each measurement; ms/token, tok/s, % of floor,
+    and 'vs PEER' (how many times faster than that peer) for every peer that was run."""
+    bw = summary["bandwidth"]
+    lines = [f"kiec bench: {summary['model']} ({summary['arch']}, {summary['dtype']}) on "
+             f"{summary.get('device') or 'the GPU'}, {summary['steps']} steps per measurement"]
+    for ctx in summary["contexts"]:
+        b = ctx["bytes_per_token"]
+        peers = [r["name"] for r in ctx["rows"] if r["name"] in PEERS]
+        columns = [f"vs {p}" for p in peers]
+        lines += ["", f"context {ctx['context']}: {b['total'] / 1e9:.4f} GB per token (weights "
+                      f"{b['weights'] / 1e9:.4f} GB + KV cache {b['kv_cache'] / 1e6:.2f} MB)",
+                  f"{'':<{NAME}}{'ms/token':>{NUM}}{'tok/s':>{NUM}}{'% floor':>{PCT}}"
+                  + "".join(f"  {c:>{len(c)}}" for c in columns),
+                  f"{'bandwidth':<{NAME}}{bw['best_bps'] / 1e12:>{NUM}.3f} TB/s best read, "
+                  f"{bw['median_bps'] / 1e12:.3f} median, over {bw['bytes'] / 1e9:.2f} GB",
+                  f"{'floor':<{NAME}}{ctx['floor_ms']:>{NUM}.4f}{1e3 / ctx['floor_ms']:>{NUM}.1f}{100.0:>{PCT - 1}.1f}%"]
+        for row in ctx["rows"]:
+            cells = [f"{row['speedup'][p]:.2f}x" if p in row["speedup"] else "-" for p in peers]
+            lines.append(f"{row['name']:<{NAME}}{row['ms_per_token']:>{NUM}.4f}{row['tok_s']:>{NUM}.1f}"
+                         f"{100 * row['floor_share']:>{PCT - 1}.1f}%"
+                         + "".join(f"  {cell:>{len(c)}}" for cell, c in zip(cells, columns)))
+    return "\n".join(lines)
