@@ -110,7 +110,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
     c = dict(hidden=cfg["hidden"], d_embed=-(-cfg["hidden"] // 8) * 8, head_dim=cfg["head_dim"],
              group=att.attr("heads") // att.attr("kv_heads"), kv_heads=att.attr("kv_heads"), heads=att.attr("heads"),
              vocab=cfg["vocab"], max_seq=cfg["max_seq_len"], layers=cfg["layers"], split_len=att.attr("split_len"),
-             splits=att.attr("splits"), attention_rows=att.attr("rows"), x_chunks=x_chunks, prefetch_chunks=sched.grid.prefetch_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes))
+             splits=att.attr("splits"), attention_rows=att.attr("rows"), x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes))
     m = dict(w_embed=w["embed"][0], w_final_norm=w["final_norm"][0], w_rope=w["rope"][0],
              w_lanes_base=w["__lanes_base"][0], w_lane_stride=w["__lane_stride"][0], w_total=w["__total"][0],
              a_h=a["lane.h"][0], a_q=a["lane.q"][0], a_attn=a["lane.attn_out"][0], a_act=a["lane.act"][0],

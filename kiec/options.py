@@ -12,7 +12,6 @@ class CompileOptions:
     consumer_warps: int | None = None   # consumer warps per block (None: the target's default)
     slot_bytes: int | None = None       # one weight-ring slot (None: the target's)
     max_slots: int | None = None        # at most this many ring slots (None: as many as shared memory holds)
-    prefetch_bytes: int | None = None   # how far past the ring the producer warms L2 (None: PREFETCH_BYTES)
 
     def __post_init__(self):
         if self.consumer_warps is not None and self.consumer_warps not in (4, 8, 16):
@@ -21,8 +20,6 @@ class CompileOptions:
             raise KiecError("slot_bytes", self.slot_bytes, "a multiple of 1024, at least 4096")
         if self.max_slots is not None and self.max_slots < 2:
             raise KiecError("max_slots", self.max_slots, "at least 2")
-        if self.prefetch_bytes is not None and not 0 <= self.prefetch_bytes <= 8 << 20:
-            raise KiecError("prefetch_bytes", self.prefetch_bytes, "0 to 8 MiB")
 
     def label(self) -> str:
         """'slot_bytes=32768' style: only the knobs that differ from the defaults."""

@@ -91,7 +91,6 @@ class Grid:
     slot_bytes: int
     slots: int
     scratch_bytes: int
-    prefetch_chunks: int = 0        # ring chunks the producer pulls into L2 ahead of the ring
 
     @property
     def blocks_per_lane(self) -> int:

@@ -13,8 +13,7 @@ Guarantees:
 - tile t of a stage runs on block (t + rotation) % blocks, the rotation carrying on
   from the previous stage, so small stages land on different blocks;
 - shared memory holds the ring of weight slots plus one scratch area (input vector,
-  partial sums, attention scratch) that fits the largest stage; the producer also warms L2
-  with the next PREFETCH_BYTES of its weights past the ring.
+  partial sums, attention scratch) that fits the largest stage.
 Dependencies are implied by stage order: a GEMV tile waits for every tile of the
 stage before it; an attention tile only for the qkv tiles that cover its KV group.
 """
@@ -28,7 +27,6 @@ from ..options import CompileOptions
 from ..targets import Target
 
 BARRIER_BYTES = 1024     # mbarriers and block-local flags
-PREFETCH_BYTES = 192 * 1024  # per block: the grid keeps ~25 MB of upcoming weights in L2 (60 MB on an H200)
 
 
 def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None, max_seq_len: int = 4096,
@@ -58,7 +56,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 raise KiecError("config.head_dim", s.attr("head_dim"), f"at most {8 * target.warp_size} on {target.name}")
             # registers hold rows x 2 loads and group x 8 accumulators: fewer rows for bigger groups
             group = s.attr("heads") // s.attr("kv_heads")
-            rows = 4 if group <= 2 else 2
+            rows = 4 if group <= 2 else 2 if group == 3 else 1
             split_len = warps * (target.warp_size // lanes_per_key) * rows
             splits = -(-max_seq_len // split_len)
             attrs = dict(s.attrs, splits=splits, split_len=split_len, rows=rows)
@@ -79,8 +77,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
         if s.gemv is not None and s.gemv.unit_bytes > slot_bytes:
             raise KiecError("ir", s.name, f"units of at most {slot_bytes} bytes")
     grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
-                slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch,
-                prefetch_chunks=(PREFETCH_BYTES if options.prefetch_bytes is None else options.prefetch_bytes) // slot_bytes)
+                slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch)
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
 

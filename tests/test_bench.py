@@ -1,0 +1,156 @@
+"""`kiec bench`: the floor / share / speedup arithmetic and the table on given measurements (any
+machine), the command's argument checks and its one-line failure without a GPU; on the GPU (marked
+gpu) a whole run on a tiny model with every row."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kiec.bench import BenchModel, BenchOptions
+from kiec.bench_report import PEERS, ROWS, format_table, summarize
+from kiec.cli import main
+from kiec.runtime.gpu import gpu_available
+
+# 2.0 GB per token over a 4.0 TB/s best read: a floor of exactly 0.5 ms/token
+MEASURED = {"kiec per-step": 0.8, "kiec per-sequence": 0.625, "torch graph": 2.0, "torch.compile graph": 1.25,
+            "HF generate": 50.0}
+
+
+def _raw(rows=MEASURED) -> dict:
+    return {"model": "llama-3.2-1b", "arch": "llama", "dtype": "bf16", "steps": 128, "device": "NVIDIA H200",
+            "bandwidth": {"bytes": 2_470_000_000, "best_bps": 4.0e12, "median_bps": 3.8e12,
+                          "median_ms": 0.65, "best_ms": 0.6175},
+            "contexts": [{"context": 128,
+                          "bytes_per_token": {"weights": 1_990_000_000, "kv_cache": 10_000_000, "total": 2_000_000_000,
+                                              "per_lane_weights": 0, "shared": 0},
+                          "measured": {name: {"ms_per_token": ms} for name, ms in rows.items()}}]}
+
+
+def _line(table: str, name: str) -> list:
+    return next(l for l in table.splitlines() if l.startswith(name + " ")).split()
+
+
+def test_floor_share_and_speedups():
+    summary = summarize(_raw())
+    ctx = summary["contexts"][0]
+    assert summary["floor_bandwidth"] == "best_bps"
+    assert ctx["floor_ms"] == pytest.approx(0.5)
+    rows = {r["name"]: r for r in ctx["rows"]}
+    assert list(rows) == list(ROWS)
+    seq = rows["kiec per-sequence"]
+    assert seq["tok_s"] == pytest.approx(1600.0)
+    assert seq["floor_share"] == pytest.approx(0.8)                       # 0.5 / 0.625
+    assert seq["speedup"] == pytest.approx({"torch graph": 3.2, "torch.compile graph": 2.0, "HF generate": 80.0})
+    assert rows["kiec per-step"]["floor_share"] == pytest.approx(0.625)
+    assert rows["torch graph"]["speedup"] == pytest.approx({"torch.compile graph": 0.625, "HF generate": 25.0})
+    assert rows["HF generate"]["tok_s"] == pytest.approx(20.0)
+    assert json.loads(json.dumps(summary)) == summary                       # what --json writes
+
+
+def test_table_rows_and_columns():
+    table = format_table(summarize(_raw()))
+    assert table.splitlines()[0] == ("kiec bench: llama-3.2-1b (llama, bf16) on NVIDIA H200, "
+                                     "128 steps per measurement")
+    assert "context 128: 2.0000 GB per token (weights 1.9900 GB + KV cache 10.00 MB)" in table
+    header = next(l for l in table.splitlines() if "ms/token" in l)
+    assert header.split("  ")[-3:] == ["vs torch graph", "vs torch.compile graph", "vs HF generate"]
+    assert _line(table, "bandwidth")[:6] == ["bandwidth", "4.000", "TB/s", "best", "read,", "3.800"]
+    assert _line(table, "floor") == ["floor", "0.5000", "2000.0", "100.0%"]
+    assert _line(table, "kiec per-sequence") == ["kiec", "per-sequence", "0.6250", "1600.0", "80.0%",
+                                                 "3.20x", "2.00x", "80.00x"]
+    assert _line(table, "torch.compile graph") == ["torch.compile", "graph", "1.2500", "800.0", "40.0%",
+                                                   "1.60x", "-", "40.00x"]
+    assert _line(table, "HF generate") == ["HF", "generate", "50.0000", "20.0", "1.0%", "0.04x", "0.03x", "-"]
+
+
+def test_table_without_peers():
+    kiec_only = {k: v for k, v in MEASURED.items() if k not in PEERS}
+    table = format_table(summarize(_raw(kiec_only)))
+    assert "vs " not in table
+    assert _line(table, "kiec per-step") == ["kiec", "per-step", "0.8000", "1250.0", "62.5%"]
+    assert not any(l.startswith(p) for p in PEERS for l in table.splitlines())
+
+
+def test_unknown_row_is_refused():
+    with pytest.raises(ValueError, match="unknown bench rows"):
+        summarize(_raw(dict(MEASURED, vllm=1.0)))
+
+
+def test_help_works_without_torch():
+    code = ("import sys\nfrom kiec.cli import main\ntry:\n    main(['bench', '--help'])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code)\nprint('torch imported:', 'torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    for flag in ("--contexts", "--steps", "--no-peers", "--hf", "--json", "llama-3.2-1b"):
+        assert flag in run.stdout
+    assert run.stdout.splitlines()[-2:] == ["exit 0", "torch imported: False"]
+
+
+@pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
+def test_without_a_gpu_one_error_line():
+    run = subprocess.run([sys.executable, "-m", "kiec.cli", "bench", "tiny-llama", "--contexts", "16", "--steps", "8"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == ["kiec: error: device: got 'no GPU'; expected an NVIDIA GPU with nvidia-smi "
+                                       "and nvcc (kiec bench times kernels on it)"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["tiny-llama"], "--contexts: got 8192; expected context + steps (8320) at most the model's "
+                     "max_position_embeddings (512)"),
+    (["tiny-llama", "--contexts", "16,x"], "--contexts: got '16,x'; expected comma-separated context lengths"),
+    (["tiny-llama", "--contexts", "0"], "--contexts: got (0,); expected positive context lengths"),
+    (["tiny-llama", "--steps", "1"], "--steps: got 1; expected an integer of at least 2"),
+    (["tiny-lama"], "model: got 'tiny-lama'; expected a model.json, a model folder, a GGUF file, smollm2 or a "
+                    "synthetic preset (llama-3.2-1b, "),
+    (["laneformer-2b", "--contexts", "16"], "model: got 'laneformer-2b'; expected a llama, qwen2 or mistral model "
+                                            "for the torch peers (pass --no-peers to time kiec alone)"),
+    (["tiny-llama", "--contexts", "16", "--json", "/no/such/folder/out.json"],
+     "--json: got '/no/such/folder/out.json'; expected a file in an existing folder"),
+])
+def test_argument_errors(capsys, args, message):
+    assert main(["bench", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kiec: error: " + message), err
+    assert len(err.splitlines()) == 1
+
+
+def test_model_spec_fits_the_run(tmp_path, tiny_llama):
+    options = BenchOptions(contexts=(16, 64), steps=8)
+    for name in ("tiny-llama", str(tiny_llama)):
+        (tmp_path / "work").mkdir(exist_ok=True)
+        assert BenchModel(name, options, tmp_path / "work").spec.max_seq_len == 72
+
+
+def test_preset_folder_for_transformers_has_the_benchmarked_weights(tmp_path):
+    from kiec.weights import load_checkpoint
+    model = BenchModel("tiny-qwen2", BenchOptions(contexts=(16,), steps=8, seed=3), tmp_path)
+    in_memory = model.checkpoint()
+    on_disk = load_checkpoint(model.spec.replace(weights=model.hf_source()))
+    for name in ("embed", "layers.1.wq", "layers.0.bk", "final_norm"):
+        assert np.array_equal(in_memory.get(name), on_disk.get(name)), name
+
+
+# --- GPU: one whole run ---------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_bench_run_on_a_tiny_model(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "tiny-llama", "--contexts", "16,256", "--steps", "16", "--hf", "--json", str(out),
+                 "--quiet"]) == 0
+    table = capsys.readouterr().out
+    summary = json.loads(out.read_text())
+    assert summary["bandwidth"]["best_bps"] > 1e12              # any HBM GPU reads over 1 TB/s
+    assert [c["context"] for c in summary["contexts"]] == [16, 256]
+    for ctx in summary["contexts"]:
+        assert [r["name"] for r in ctx["rows"]] == list(ROWS)
+        for row in ctx["rows"]:
+            assert math.isfinite(row["ms_per_token"]) and row["ms_per_token"] > 0
+            assert 0 < row["floor_share"] < 1, row                # ~100 kB of weights: launch latency dominates
+        assert f"context {ctx['context']}:" in table
+    assert summary["contexts"][1]["bytes_per_token"]["kv_cache"] > summary["contexts"][0]["bytes_per_token"]["kv_cache"]
