@@ -30,6 +30,7 @@ class BenchOptions:
     contexts: tuple = (128, 8192)
     steps: int = 128          # timed steps per measurement (positions context .. context + steps - 1)
     peers: bool = True
+    compile_peer: bool = True  # torch.compile autotunes for minutes: --no-compile leaves that peer out
     hf: bool = False
     seed: int = 0             # the random weights of a preset, and the tokens fed
 
@@ -125,12 +126,13 @@ def time_torch_peers(spec, checkpoint, options: BenchOptions, rng, log) -> dict:
     from .baselines.torch_decode import GraphedStep, TorchDecoder, compile_step, time_replays
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
     decoder = TorchDecoder(spec, checkpoint, options.contexts[0] + options.steps, device="cuda", dtype=dtype)
-    compiled = compile_step(decoder)
+    compiled = compile_step(decoder) if options.compile_peer else None
     out = {}
     for context in options.contexts:
         decoder.resize_cache(context + options.steps)    # attention reads the whole static cache
         out[context] = {}
-        for name, step in (("torch graph", decoder), ("torch.compile graph", compiled)):
+        steps = [("torch graph", decoder)] + ([("torch.compile graph", compiled)] if compiled else [])
+        for name, step in steps:
             log(f"{name} at context {context}" + (" (compiling, autotuning)" if step is compiled else ""))
             graphed = GraphedStep(step, decoder)
             token = int(rng.integers(spec.config.vocab))
@@ -211,6 +213,7 @@ def register_bench(sub) -> None:
                    help="context lengths to time at, comma-separated (default: %(default)s)")
     p.add_argument("--steps", type=int, default=d.steps, help="timed decode steps per measurement (default: %(default)s)")
     p.add_argument("--no-peers", action="store_true", help="time kiec alone (no torch peers)")
+    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer (it autotunes for minutes)")
     p.add_argument("--hf", action="store_true", help="also time transformers' generate (slow)")
     p.add_argument("--seed", type=int, default=d.seed, help="a preset's random weights and the tokens fed")
     p.add_argument("--json", type=Path, help="write every measurement and derived number here")
@@ -219,6 +222,7 @@ def register_bench(sub) -> None:
 
 def cmd_bench(args) -> int:
     options = BenchOptions(contexts=parse_contexts(args.contexts), steps=args.steps, peers=not args.no_peers,
+                           compile_peer=not args.no_compile,
                            hf=args.hf, seed=args.seed)
     if args.json is not None and not args.json.parent.is_dir():     # found now, not after minutes of timing
         raise KiecError("--json", str(args.json), "a file in an existing folder")
