@@ -59,13 +59,12 @@ def _stage_entry(sched: Schedule, s, trace: dict) -> dict:
     if s.attr("bias"):
         flags |= 16
     prev = sched.stages[s.index - 1] if s.index else None
+    # every stage waits for all of the one before it, except attention (its KV group's qkv tiles)
+    # and layer 0's qkv (the token); an attention stage signals once per KV group
     wait, wait_count = NONE, 0
-    if s.kind == "qkv" and s.layer > 0:
-        wait, wait_count = sync[f"lane.done.{prev.index}"][0], prev.tiles
-    elif s.kind == "attn_out":
-        wait, wait_count = sync[f"lane.done.{prev.index}"][0], prev.attr("kv_heads")
-    elif s.kind in ("gate_up", "down", "lm_head"):
-        wait, wait_count = sync[f"lane.done.{prev.index}"][0], prev.tiles
+    if prev is not None and s.kind != "attention":
+        wait = sync[f"lane.done.{prev.index}"][0]
+        wait_count = prev.attr("kv_heads") if prev.kind == "attention" else prev.tiles
     norm = {"qkv": "attn_norm", "gate_up": "ffn_norm"}.get(s.kind)
     groups = tickets = 0
     if s.kind == "qkv":
@@ -84,7 +83,7 @@ def _stage_entry(sched: Schedule, s, trace: dict) -> dict:
         bias_offset=w[layer_prefix + "qkv_bias"][0] if s.attr("bias") else "NONE",
         eps=repr(float(s.attr("eps", 0.0))), flags=flags, mode=MODES[s.attr("mode", "present")],
         delay=s.attr("delay", 0), q_rows=s.attr("q_rows", 0), kv_rows=s.attr("kv_rows", 0), window=s.attr("window", 0),
-        done=sync[f"lane.done.{s.index}"][0] if s.kind != "lm_head" else "NONE",
+        done=sync[f"lane.done.{s.index}"][0] if f"lane.done.{s.index}" in sync else "NONE",
         wait=wait if wait != NONE else "NONE", wait_count=wait_count, groups=groups, tickets=tickets,
         signals=0, trace=trace[s.index][0])
 

@@ -133,6 +133,7 @@ def test_smollm2_greedy_matches_transformers(smollm2_gguf):
 
 
 def test_500_steps_twice_are_bitwise_identical(built):
+    from kiec.runtime.gpu import REGION_HISTORY
     backend = backend_of(built, "llama-3.2-1b")
     runs = []
     for _ in range(2):
@@ -140,7 +141,7 @@ def test_500_steps_twice_are_bitwise_identical(built):
         backend._launch([7], 500, 0, history=True)
         backend._finish()
         tokens = backend.kernel.poll().copy()
-        logits = backend.kernel.read(2, 0, 4 * 500 * backend.vocab).copy()
+        logits = backend.kernel.read(REGION_HISTORY, 0, 4 * 500 * backend.vocab).copy()
         runs.append((tokens, logits))
     assert len(runs[0][0]) == 500
     assert np.array_equal(runs[0][0], runs[1][0])

@@ -104,7 +104,6 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     shared_acts = _Region()
     shared_acts.add("logits", 4 * cfg.vocab)
     shared_acts.add("lm_best", 8 * stages[lm.index].tiles)
-    shared_acts.add("x_final", 4 * cfg.hidden)
     acts = {"lane." + k: v for k, v in lane_acts.entries.items()}
     acts["__lane_stride"] = (lane_acts.size, 0)
     base = lanes * lane_acts.size
@@ -123,9 +122,8 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
         sync.add(name, LINE)
     lane_sync = _Region(align=LINE)
     for s in stages:
-        if s.kind == "lm_head":
-            continue
-        lane_sync.add(f"done.{s.index}", LINE)
+        if s.kind not in ("qkv", "lm_head"):     # qkv signals per KV group; the LM head selects
+            lane_sync.add(f"done.{s.index}", LINE)
         if s.kind == "qkv":
             for j in range(stages[s.index + 1].attr("kv_heads")):
                 lane_sync.add(f"group.{s.index}.{j}", LINE)
