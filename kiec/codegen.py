@@ -12,7 +12,6 @@ from pathlib import Path
 import jinja2
 
 from . import __version__
-from .errors import KiecError
 from .ir.schedule import STAGE_KINDS, Schedule
 from .targets import Target
 
@@ -44,7 +43,20 @@ def trace_layout(sched: Schedule) -> tuple[dict, int]:
     return offsets, total
 
 
-def _stage_entry(sched: Schedule, s, trace: dict) -> dict:
+def senders(sched: Schedule) -> set:
+    """Indices of the residual stages whose partial goes to the peers: every `present` reduce, and
+    the (sublayer, layer) a later `past(d)` reduce reads (even when its own mode is `none`)."""
+    if sched.lanes == 1:
+        return set()
+    residual = {(s.attr("sublayer"), s.layer): s for s in sched.stages if s.kind in ("attn_out", "down")}
+    out = {s.index for s in residual.values() if s.attr("mode") == "present"}
+    for (sub, layer), s in residual.items():
+        if s.attr("mode") == "past":
+            out.add(residual[(sub, layer - s.attr("delay"))].index)
+    return out
+
+
+def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
     w, sync = sched.memory["weights"], sched.memory["sync"]
     g = s.gemv
     flags = 0
@@ -58,6 +70,8 @@ def _stage_entry(sched: Schedule, s, trace: dict) -> dict:
         flags |= 8
     if s.attr("bias"):
         flags |= 16
+    if send:
+        flags |= 32
     prev = sched.stages[s.index - 1] if s.index else None
     # every stage waits for all of the one before it, except attention (its KV group's qkv tiles)
     # and layer 0's qkv (the token); an attention stage signals once per KV group
@@ -89,12 +103,10 @@ def _stage_entry(sched: Schedule, s, trace: dict) -> dict:
 
 
 def render(sched: Schedule, target: Target, module_name: str) -> dict:
-    if sched.lanes > 1:
-        raise KiecError("lanes", sched.lanes, "1 on the GPU backend for now",
-                        "lanes run on the reference backend; the in-kernel lane protocol is not built yet")
     cfg = sched.config
     trace, trace_floats = trace_layout(sched)
-    stages = [_stage_entry(sched, s, trace) for s in sched.stages]
+    send = senders(sched)
+    stages = [_stage_entry(sched, s, trace, s.index in send) for s in sched.stages]
     group_signals = []
     for entry, s in zip(stages, sched.stages):
         if s.kind == "attention":
@@ -108,13 +120,15 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
     w, a, kv, sy = (sched.memory[k] for k in ("weights", "acts", "kv", "sync"))
     c = dict(hidden=cfg["hidden"], d_embed=-(-cfg["hidden"] // 8) * 8, head_dim=cfg["head_dim"],
              group=att.attr("heads") // att.attr("kv_heads"), kv_heads=att.attr("kv_heads"), heads=att.attr("heads"),
-             vocab=cfg["vocab"], max_seq=cfg["max_seq_len"], layers=cfg["layers"], split_len=att.attr("split_len"),
-             splits=att.attr("splits"), attention_rows=att.attr("rows"), x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes))
+             vocab=cfg["vocab"], max_seq=cfg["max_seq_len"], layers=cfg["layers"], batch=att.attr("batch"),
+             splits=att.attr("splits"), attention_rows=att.attr("rows"), attention_prefetch=att.attr("prefetch"), x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes))
     m = dict(w_embed=w["embed"][0], w_final_norm=w["final_norm"][0], w_rope=w["rope"][0],
              w_lanes_base=w["__lanes_base"][0], w_lane_stride=w["__lane_stride"][0], w_total=w["__total"][0],
              a_h=a["lane.h"][0], a_q=a["lane.q"][0], a_attn=a["lane.attn_out"][0], a_act=a["lane.act"][0],
              a_part=a["lane.attn_partial"][0], a_lane_stride=a["__lane_stride"][0], a_logits=a["logits"][0],
              a_lm_best=a["lm_best"][0], a_total=a["__total"][0],
+             a_inbox=a["lane.inbox"][0] if "lane.inbox" in a else 0, exchange_slots=cfg["exchange_slots"], exchange_tiles=cfg["exchange_tiles"],
+             s_peer_flags=sy["lane.peer_flags"][0] if "lane.peer_flags" in sy else 0,
              kv_k=kv["k"][0], kv_v=kv["v"][0], kv_layer_stride=kv["__layer_stride"][0],
              kv_lane_stride=kv["__lane_stride"][0], kv_total=kv["__total"][0],
              s_abort=sy["abort"][0], s_error=sy["error"][0], s_select=sy["select"][0], s_lm_ticket=sy["lm_ticket"][0],

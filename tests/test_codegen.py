@@ -32,7 +32,12 @@ SHAPES = {
     "hd96-group8": preset("tiny-llama", hidden_size=768, num_attention_heads=8, num_key_value_heads=1,
                           intermediate_size=2048, vocab_size=777),
     "wide-ffn-8960": preset("qwen2.5-1.5b", num_hidden_layers=1, vocab_size=4096),
+    "tiny-llama-lanes2": preset("tiny-llama"),
+    "laneformer-lanes4-past2": preset("laneformer-2b", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                                      num_key_value_heads=4, intermediate_size=512, vocab_size=512, num_lanes=4,
+                                      sliding_window=16, sliding_window_n_layers=2),
 }
+SPEC_CHANGES = {"tiny-llama-lanes2": {"lanes": 2}}       # the lane exchange in the kernel
 COMPILERS = {"cuda:sm_90": "nvcc", "hip:gfx942": "clang++-19"}
 
 
@@ -40,7 +45,7 @@ def _spec(tmp_path, name):
     folder = tmp_path / name
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(SHAPES[name]))
-    return load_spec({"weights": str(folder), "max_seq_len": 512})
+    return load_spec({"weights": str(folder), "max_seq_len": 512, **SPEC_CHANGES.get(name, {})})
 
 
 def _need(tool: str):

@@ -7,7 +7,10 @@
   near-tie of the reference's two top logits;
 - shapes with tails (vocab 1001, head_dim 128 and 256, one KV head) against the Python twin;
 - 500 decode steps twice: bitwise-identical tokens and logits; a timeout is an error, not a hang;
-- compute-sanitizer memcheck and racecheck clean on a small model.
+- compute-sanitizer memcheck and racecheck clean on a small model;
+- lanes on one GPU (each lane its own blocks, weights, KV cache and inbox): exact TP at L = 2, 4, 8
+  against transformers and against the one-lane kernel; a laneformer with past(2) at L = 2, 4, 8
+  against the numpy reference.
 Outputs are poisoned (NaN) before every run, inputs are fresh random tokens.
 """
 from __future__ import annotations
@@ -35,6 +38,32 @@ TWIN_SHAPES = {
     "hd256-kv1": preset("tiny-llama", hidden_size=512, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
                         intermediate_size=512, vocab_size=512),
 }
+
+
+LANE_LLAMA = preset("llama-3.2-1b", num_hidden_layers=4, vocab_size=8192)
+LANE_COUNTS = (1, 2, 4, 8)
+
+
+def laneformer(lanes: int) -> dict:
+    return preset("laneformer-2b", hidden_size=1024, num_hidden_layers=6, num_attention_heads=16,
+                  num_key_value_heads=8, intermediate_size=2048, vocab_size=4096, num_lanes=lanes,
+                  broadcast_delay=2, sliding_window=48, sliding_window_n_layers=3)
+
+
+@pytest.fixture(scope="session")
+def lane_built(tmp_path_factory):
+    """A Llama-shaped model (4 layers) at every lane count, and laneformers of 2, 4 and 8 lanes."""
+    from kiec.runtime.gpu import CompiledModel, device_multiprocessors
+    root = tmp_path_factory.mktemp("lanes")
+    llama = write_random_model(root / "llama", LANE_LLAMA, seed=21, dtype="bf16")
+    specs = {("llama", n): load_spec({"weights": str(llama), "max_seq_len": 256, "lanes": n}) for n in LANE_COUNTS}
+    for n in LANE_COUNTS[1:]:
+        folder = write_random_model(root / f"laneformer{n}", laneformer(n), seed=22, dtype="bf16")
+        specs[("laneformer", n)] = load_spec({"weights": str(folder), "max_seq_len": 256})
+    sms = device_multiprocessors()
+    with ThreadPoolExecutor(len(specs)) as pool:
+        jobs = {k: pool.submit(CompiledModel, s, sms, root / "build", True) for k, s in specs.items()}
+        return {k: (specs[k], job.result()) for k, job in jobs.items()}
 
 
 @pytest.fixture(scope="session")
@@ -104,6 +133,42 @@ def test_tails_and_head_dims_match_the_twin(built, name):
     want = np.stack([twin.step(t, i)[0] for i, t in enumerate(tokens)])
     errs, agree = logit_errors(got, want)
     assert errs.max() <= 1e-2 and agree >= 0.95, (errs.max(), agree)
+
+
+@pytest.mark.parametrize("lanes", LANE_COUNTS[1:])
+def test_exact_tensor_parallel_lanes_match_transformers_and_one_lane(lane_built, lanes):
+    spec, _ = lane_built[("llama", lanes)]
+    tokens = [int(t) for t in np.random.default_rng().integers(spec.config.vocab, size=48)]
+    got = {}
+    for n in (1, lanes):
+        backend = backend_of(lane_built, ("llama", n))
+        backend.poison()
+        got[n] = backend.teacher_forced(tokens, 0)
+    errs, agree = logit_errors(got[lanes], hf_logits(spec.weights, tokens))
+    errs1, agree1 = logit_errors(got[lanes], got[1])
+    print(f"L={lanes}: vs transformers max rel err {errs.max():.3g} argmax {agree:.3f}; "
+          f"vs one lane {errs1.max():.3g} argmax {agree1:.3f}")
+    assert np.all(np.isfinite(got[lanes]))
+    assert errs.max() <= 2e-2 and agree >= 0.98
+    assert errs1.max() <= 2e-2 and agree1 >= 0.98
+
+
+@pytest.mark.parametrize("lanes", LANE_COUNTS[1:])
+def test_laneformer_past2_lanes_match_the_reference(lane_built, lanes):
+    from kiec.reference.interpreter import Reference, reference_weights
+    from kiec.weights import load_checkpoint
+    spec, compiled = lane_built[("laneformer", lanes)]
+    assert {s.attr("mode") for s in compiled.sched.stages if s.kind == "down"} == {"present", "past"}
+    tokens = [int(t) for t in np.random.default_rng().integers(spec.config.vocab, size=80)]   # past the window
+    backend = backend_of(lane_built, ("laneformer", lanes))
+    backend.poison()
+    got = backend.teacher_forced(tokens, 0)
+    ref = Reference(compiled.graph, reference_weights(compiled.graph, load_checkpoint(spec)), spec.config,
+                    spec.max_seq_len, np.float32)
+    want = ref.forward(tokens)
+    errs, agree = logit_errors(got, want)
+    print(f"laneformer L={lanes} past(2): max rel err {errs.max():.3g}, argmax agreement {agree:.3f}")
+    assert errs.max() <= 2e-2 and agree >= 0.98
 
 
 def test_smollm2_greedy_matches_transformers(smollm2_gguf):

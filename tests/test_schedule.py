@@ -12,7 +12,7 @@ from kiec.options import CompileOptions
 from kiec.pack import pack_weights, permute_pairs, unpermute_pairs
 from kiec.passes.fuse import fuse
 from kiec.passes.memplan import memplan
-from kiec.passes.schedule import qkv_tiles_of_group, schedule
+from kiec.passes.schedule import attention_splits, qkv_tiles_of_group, schedule
 from kiec.pipeline import build_graph, build_schedule
 from kiec.reference.interpreter import Reference, reference_weights
 from kiec.reference.twin import Twin
@@ -29,6 +29,9 @@ def models(tmp_path_factory):
     out = {}
     for name in ("tiny-llama", "tiny-qwen2", "tiny-mistral"):
         out[name] = write_random_model(root / name, name, seed=3, dtype="bf16")
+    # head_dim 32 and one KV head: 64-key attention batches, so a few hundred positions need several splits
+    out["tiny-mistral-full"] = write_random_model(root / "full", preset("tiny-mistral", sliding_window=None), seed=3,
+                                                  dtype="bf16")
     return out
 
 
@@ -67,8 +70,8 @@ def test_schedule_tiles_cover_rows_and_fit_shared_memory(models, name, target):
     assert grid.slots * grid.slot_bytes + grid.scratch_bytes + 1024 <= t.smem_bytes
     for s in sched.stages:
         if s.gemv is None:
-            assert s.attr("splits") * s.attr("split_len") >= spec.max_seq_len
             assert s.tiles == s.attr("kv_heads") * s.attr("splits")
+            assert s.tiles <= grid.blocks_per_lane or s.attr("splits") == 1
             continue
         g = s.gemv
         width = grid.blocks if s.kind == "lm_head" else grid.blocks_per_lane
@@ -140,8 +143,8 @@ def test_pair_permutation_round_trips():
     assert permute_pairs(rows, 8, "adjacent") is rows
 
 
-def _twin_vs_reference(spec, positions):
-    graph, sched = build_schedule(spec)
+def _twin_vs_reference(spec, positions, blocks=None):
+    graph, sched = build_schedule(spec, blocks)
     weights = reference_weights(graph, load_checkpoint(spec))
     blob = pack_weights(sched, weights, spec.config, spec.max_seq_len, spec.dtype)
     twin = Twin(sched, blob, spec.config, spec.max_seq_len, spec.dtype)
@@ -164,13 +167,27 @@ def test_twin_follows_the_reference(models, name):
     assert _twin_vs_reference(spec_of(models[name]), 40) < 1e-2
 
 
-def test_twin_follows_the_reference_past_splits_and_window(models):
-    spec = spec_of(models["tiny-mistral"], max_seq_len=600)
-    _, sched = build_schedule(spec)
+@pytest.mark.parametrize("splits,batch", [(1, 32), (3, 32), (16, 32), (16, 64), (5, 8)])
+def test_attention_splits_cover_the_context_in_whole_batches(splits, batch):
+    for lo in (0, 7):
+        for pos in range(lo, lo + 700, 13):
+            length, used = attention_splits(lo, pos, splits, batch)
+            assert length % batch == 0 and 1 <= used <= splits
+            assert (used - 1) * length < pos + 1 - lo <= used * length       # every split has keys
+
+
+@pytest.mark.parametrize("name,blocks", [("tiny-mistral", None), ("tiny-mistral-full", None), ("tiny-mistral-full", 2)])
+def test_twin_follows_the_reference_past_splits_and_window(models, name, blocks):
+    # the window (16) moves the splits' start; without it 132 blocks give splits of one batch, 2 blocks
+    # two splits of several batches
+    spec = spec_of(models[name], max_seq_len=500)
+    _, sched = build_schedule(spec, blocks)
     att = next(s for s in sched.stages if s.kind == "attention")
-    positions = att.attr("split_len") * 2 + 10            # three splits; the window is 16
+    positions = att.attr("batch") * 3 + 10
+    length, used = attention_splits(0, positions - 1, att.attr("splits"), att.attr("batch"))
+    assert used >= 2 and (name == "tiny-mistral" or blocks is None or length > att.attr("batch"))
     assert positions < spec.max_seq_len
-    assert _twin_vs_reference(spec, positions) < 1e-2
+    assert _twin_vs_reference(spec, positions, blocks) < 1e-2
 
 
 def test_twin_follows_the_reference_with_lanes(models):

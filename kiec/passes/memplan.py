@@ -11,12 +11,18 @@ Guarantees four regions, each a dict name -> (offset, bytes), 256-byte aligned:
 - `acts`: fp32 activations, per lane (`lane_stride` apart) then shared (logits, ...).
 - `kv`: the KV cache per lane, [layer][kv head][position][head_dim], 16-bit.
 - `sync`: counters and flags, each on its own 128-byte line; shared ones first.
+With several lanes, each lane also has an `inbox` (acts) of `exchange_slots` x 2 sublayers x
+lanes x D floats where its peers store their partials, and one line of per-sender flags per
+(slot, sublayer, tile) (`peer_flags`, sync). Exchange g (step x layers + layer) uses slot
+g % exchange_slots: 2 for exact TP, 2d + 2 with past(d), so a slot is rewritten only after
+every lane has read it (a lane reads exchange g at the latest d layers later).
 The plan is plain data: the kernel's constants and the host's uploads both come from it.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from ..errors import KiecError
 from ..ir.schedule import Schedule
 
 ALIGN = 256
@@ -101,6 +107,12 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     lane_acts.add("attn_out", 4 * att.attr("heads") * hd)
     lane_acts.add("act", 4 * max(s.attr("ffn") for s in stages if s.kind == "gate_up"))
     lane_acts.add("attn_partial", 4 * att.attr("kv_heads") * att.attr("splits") * group * (hd + 2))
+    residual = [s for s in stages if s.kind in ("attn_out", "down")]
+    if lanes > LINE // 4:
+        raise KiecError("lanes", lanes, f"at most {LINE // 4} (one {LINE}-byte line holds a tile's peer flags)")
+    slots = exchange_slots(residual) if lanes > 1 else 0
+    if slots:
+        lane_acts.add("inbox", 4 * slots * 2 * lanes * cfg.hidden)
     shared_acts = _Region()
     shared_acts.add("logits", 4 * cfg.vocab)
     shared_acts.add("lm_best", 8 * stages[lm.index].tiles)
@@ -130,11 +142,20 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
         if s.kind == "attention":
             for j in range(s.attr("kv_heads")):
                 lane_sync.add(f"ticket.{s.index}.{j}", LINE)
+    if slots:
+        lane_sync.add("peer_flags", LINE * slots * 2 * max(s.tiles for s in residual))   # [slot][sublayer][tile]
     sync_map = dict(sync.entries)
     sync_map.update({"lane." + k: (sync.size + o, n) for k, (o, n) in lane_sync.entries.items()})
     sync_map["__lane_stride"] = (lane_sync.size, 0)
     sync_map["__total"] = (sync.size + lanes * lane_sync.size, 0)
 
     memory = {"weights": weights, "acts": acts, "kv": kv, "sync": sync_map}
-    config = dict(sched.config, max_seq_len=max_seq_len, dtype=dtype)
+    config = dict(sched.config, max_seq_len=max_seq_len, dtype=dtype, exchange_slots=slots,
+                  exchange_tiles=max(s.tiles for s in residual))
     return dataclasses.replace(sched, stages=stages, memory=memory, packing=packing, config=config)
+
+
+def exchange_slots(residual_stages: list) -> int:
+    """Slots of the lanes' exchange ring: 2 for exact TP, 2d + 2 when some reduce is past(d)."""
+    delay = max((s.attr("delay") for s in residual_stages if s.attr("mode") == "past"), default=0)
+    return 2 * delay + 2

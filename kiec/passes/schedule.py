@@ -7,9 +7,11 @@ Guarantees:
 - a GEMV stage's rows are cut into contiguous tiles of `rows_per_tile` rows (even
   where rows come in pairs: RoPE pairs, gate/up pairs), at most one tile per block
   of the lane, so a stage finishes in one pass over the grid;
-- an attention stage has one tile per (KV head, split of positions); a split is one batch
-  of every consumer warp (warps x keys a warp reads at once x rows a lane loads), so a tile
-  costs one memory latency; only the splits the current context reaches do work;
+- an attention stage has one tile per (KV head, split of positions), at most one tile per
+  block of the lane: `splits` per KV head. The split length is chosen per step from the
+  context (`attention_splits`): whole batches (one pass of every consumer warp: warps x keys
+  a warp reads at once x rows a lane loads), as few splits as fill the lane's blocks, so a
+  long context costs each block one tile and the combine reads at most `splits` partials;
 - tile t of a stage runs on block (t + rotation) % blocks, the rotation carrying on
   from the previous stage, so small stages land on different blocks;
 - shared memory holds the ring of weight slots plus one scratch area (input vector,
@@ -54,12 +56,15 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             lanes_per_key = 1 << (max(1, s.attr("head_dim") // 8) - 1).bit_length()
             if lanes_per_key > target.warp_size:
                 raise KiecError("config.head_dim", s.attr("head_dim"), f"at most {8 * target.warp_size} on {target.name}")
-            # registers hold rows x 2 loads and group x 8 accumulators: fewer rows for bigger groups
+            # registers hold the rows in flight x 2 loads and group x 8 accumulators: fewer rows for
+            # bigger groups; two rows or more are half this batch, half the next one (prefetch)
             group = s.attr("heads") // s.attr("kv_heads")
-            rows = 4 if group <= 2 else 2 if group == 3 else 1
-            split_len = warps * (target.warp_size // lanes_per_key) * rows
-            splits = -(-max_seq_len // split_len)
-            attrs = dict(s.attrs, splits=splits, split_len=split_len, rows=rows)
+            in_flight = 4 if group <= 2 else 2 if group == 3 else 1
+            prefetch = in_flight > 1
+            rows = in_flight // 2 if prefetch else 1
+            batch = warps * (target.warp_size // lanes_per_key) * rows
+            splits = max(1, min(per_lane // s.attr("kv_heads"), -(-max_seq_len // batch)))
+            attrs = dict(s.attrs, splits=splits, batch=batch, rows=rows, prefetch=prefetch)
             stages.append(dataclasses.replace(s, tiles=s.attr("kv_heads") * splits,
                                               attrs=tuple(sorted(attrs.items()))))
         else:
@@ -79,6 +84,14 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
                 slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch)
     return dataclasses.replace(sched, stages=stages, grid=grid)
+
+
+def attention_splits(lo: int, pos: int, splits: int, batch: int) -> tuple[int, int]:
+    """(split length, splits used) for the keys lo..pos: whole batches, at most `splits` of them.
+    The kernel works the same numbers out at every step."""
+    n = pos + 1 - lo
+    length = -(-(-(-n // splits)) // batch) * batch
+    return length, -(-n // length)
 
 
 def _rotate(stages: list, per_lane: int, blocks: int) -> list:

@@ -2,7 +2,7 @@
 
 It reads the packed weight blob through memplan's offsets and strides, keeps q and k
 in the packed (pair-adjacent) order, stores K/V in 16-bit in the kernel's cache layout,
-splits attention into SPLIT_LEN tiles and combines them, interleaves gate/up — so a
+splits attention as the kernel does at each context and combines them, interleaves gate/up — so a
 wrong offset, permutation or split shows up here, on the CPU, against the graph
 interpreter. On the GPU its per-stage trace is what the kernel's trace is diffed with.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ir.schedule import Schedule
+from ..passes.schedule import attention_splits
 from ..pack import half_dtype
 
 
@@ -118,16 +119,16 @@ class Twin:
 
     def _attention(self, st, lane: int, q: np.ndarray, pos: int) -> np.ndarray:
         heads, kv, hd, window = st.attr("heads"), st.attr("kv_heads"), st.attr("head_dim"), st.attr("window")
-        split_len = st.attr("split_len")
         group = heads // kv
         lo = max(0, pos - window + 1) if window else 0
+        length, used = attention_splits(lo, pos, st.attr("splits"), st.attr("batch"))
         out = np.zeros((heads, hd), np.float32)
         scale = 1.0 / np.sqrt(hd)
         for j in range(kv):
             qg = q.reshape(heads, hd)[j * group:(j + 1) * group]
             partials = []
-            for split in range(lo // split_len, pos // split_len + 1):      # the splits the kernel runs
-                a, b = max(lo, split * split_len), min(pos + 1, (split + 1) * split_len)
+            for split in range(used):                                     # the splits the kernel runs
+                a, b = lo + split * length, min(pos + 1, lo + (split + 1) * length)
                 k = self.k_cache[lane, st.layer, j, a:b].astype(np.float32)
                 v = self.v_cache[lane, st.layer, j, a:b].astype(np.float32)
                 s = qg @ k.T * scale
