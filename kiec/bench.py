@@ -1,12 +1,16 @@
 """`kiec bench MODEL`: kiec's decode speed against the floor and its peers, in one run on one GPU.
 
     kiec bench llama-3.2-1b [--contexts 128,8192] [--steps 128] [--no-peers] [--hf] [--json out.json]
+    kiec bench llama-3.2-1b --lanes 1,2,4,8 [--dtp-delay 2] --no-peers
 
 One run measures, in order: the device's read bandwidth (kiec's own 16-byte grid-stride read,
 kiec.probe); kiec's ms/token at each context, one launch per step and one launch per sequence
 (the kernel's own event time); the torch peers on the same weights (plain ops in one CUDA graph,
 and torch.compile then one CUDA graph; CUDA events between replays); and, with --hf,
-transformers' `generate`. The floor of a context is its bytes per token (kiec.inspect) over the
+transformers' `generate`. With --lanes, kiec again at each lane count, every lane on this one GPU
+(its own blocks, weights, KV cache and inbox): exact tensor parallelism, and past(d) with
+--dtp-delay (a laneformer runs its own modes), with the bytes each lane sends per token. The
+NCCL all-reduce baseline needs one GPU per lane, so it is not run on one GPU. The floor of a context is its bytes per token (kiec.inspect) over the
 best read of this same run. MODEL is anything `kiec run` takes, or a synthetic preset
 (kiec.synthetic.PRESETS): random weights at real shapes, made in memory.
 Everything GPU-side is imported when it runs, so `--help` and the argument checks work anywhere.
@@ -33,24 +37,27 @@ class BenchOptions:
     compile_peer: bool = True  # torch.compile autotunes for minutes: --no-compile leaves that peer out
     hf: bool = False
     seed: int = 0             # the random weights of a preset, and the tokens fed
+    lanes: tuple = ()         # lane counts to time on this GPU (exact TP, and past(dtp_delay))
+    dtp_delay: int | None = None
 
     def __post_init__(self):
         if not self.contexts or any(isinstance(c, bool) or not isinstance(c, int) or c <= 0 for c in self.contexts):
             raise KiecError("--contexts", self.contexts, "positive context lengths, e.g. 128,8192")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
             raise KiecError("--steps", self.steps, "an integer of at least 2")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lanes):
+            raise KiecError("--lanes", self.lanes, "positive lane counts, e.g. 1,2,4,8")
 
     @property
     def max_seq_len(self) -> int:
         return max(self.contexts) + self.steps
 
 
-def parse_contexts(text: str) -> tuple:
+def parse_counts(text: str, option: str = "--contexts", example: str = "128,8192") -> tuple:
     try:
-        contexts = tuple(int(part) for part in text.split(","))
+        return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise KiecError("--contexts", text, "comma-separated context lengths, e.g. 128,8192") from None
-    return contexts
+        raise KiecError(option, text, f"comma-separated integers, e.g. {example}") from None
 
 
 class BenchModel:
@@ -82,6 +89,17 @@ class BenchModel:
         if options.peers and self.spec.config.arch == "laneformer":
             raise KiecError("model", model, "a llama, qwen2 or mistral model for the torch peers",
                             "pass --no-peers to time kiec alone")
+        self.lane_specs = [(n, mode, self.spec.replace(lanes=n, dtp_delay=delay))      # checked now, not after timing
+                           for n in options.lanes for mode, delay in self._lane_modes(n)]
+
+    def _lane_modes(self, lanes: int) -> list:
+        """(row name, dtp_delay) per lane count: a laneformer's own modes; exact TP and past(d) otherwise."""
+        if self.spec.config.arch == "laneformer":
+            return [(f"laneformer (delay {self.spec.config.broadcast_delay})", None)]
+        modes = [("exact TP", None)]
+        if self.options.dtp_delay is not None and lanes > 1:
+            modes.append((f"DTP past({self.options.dtp_delay})", self.options.dtp_delay))
+        return modes
 
     def checkpoint(self):
         from .synthetic import random_checkpoint
@@ -176,7 +194,34 @@ def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None
     for context in options.contexts:
         raw["contexts"].append({"context": context, "bytes_per_token": bytes_per_token(spec, context),
                                 "measured": measured[context]})
+    raw["lanes"] = time_lanes(model, checkpoint, options, rng, log)
     return raw
+
+
+def exchange_bytes_per_lane(sched) -> int:
+    """Bytes one lane stores into its peers' inboxes per token: a full-width fp32 partial per peer for
+    every sublayer it sends (codegen.senders)."""
+    from .codegen import senders
+    return len(senders(sched)) * sched.config["hidden"] * 4 * (sched.lanes - 1)
+
+
+def time_lanes(model: BenchModel, checkpoint, options: BenchOptions, rng, log) -> list:
+    """One row per (lane count, mode, context): kiec's ms/token with every lane on this GPU."""
+    from .runtime.gpu import GpuBackend
+    rows = []
+    for lanes, mode, spec in model.lane_specs:
+        log(f"kiec with {lanes} lane(s), {mode}: build and upload")
+        backend = GpuBackend(spec, checkpoint=checkpoint, quiet=True)
+        for context in options.contexts:
+            log(f"kiec with {lanes} lane(s), {mode}, at context {context}")
+            timed = time_kiec(backend, context, options.steps, rng)
+            rows.append({"lanes": lanes, "mode": mode, "context": context,
+                         "blocks": backend.sched.grid.blocks,
+                         "ms_per_token": timed["kiec per-sequence"]["ms_per_token"],
+                         "ms_per_token_per_step": timed["kiec per-step"]["ms_per_token"],
+                         "exchange_bytes_per_lane": exchange_bytes_per_lane(backend.sched)})
+        del backend
+    return rows
 
 
 def _device_name() -> str:
@@ -216,14 +261,21 @@ def register_bench(sub) -> None:
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer (it autotunes for minutes)")
     p.add_argument("--hf", action="store_true", help="also time transformers' generate (slow)")
     p.add_argument("--seed", type=int, default=d.seed, help="a preset's random weights and the tokens fed")
+    p.add_argument("--lanes", default="", help="also time kiec at these lane counts, every lane on this GPU "
+                                                "(comma-separated, e.g. 1,2,4,8)")
+    p.add_argument("--dtp-delay", type=int, default=None,
+                   help="with --lanes: also time Delayed Tensor Parallelism past(D) (an approximation of the model)")
     p.add_argument("--json", type=Path, help="write every measurement and derived number here")
     p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args) -> int:
-    options = BenchOptions(contexts=parse_contexts(args.contexts), steps=args.steps, peers=not args.no_peers,
-                           compile_peer=not args.no_compile,
-                           hf=args.hf, seed=args.seed)
+    if args.dtp_delay is not None and not args.lanes:
+        raise KiecError("--dtp-delay", args.dtp_delay, "--lanes as well (DTP needs several lanes)")
+    options = BenchOptions(contexts=parse_counts(args.contexts), steps=args.steps, peers=not args.no_peers,
+                           compile_peer=not args.no_compile, hf=args.hf, seed=args.seed,
+                           lanes=parse_counts(args.lanes, "--lanes", "1,2,4,8") if args.lanes else (),
+                           dtp_delay=args.dtp_delay)
     if args.json is not None and not args.json.parent.is_dir():     # found now, not after minutes of timing
         raise KiecError("--json", str(args.json), "a file in an existing folder")
     quiet = getattr(args, "quiet", False)

@@ -28,7 +28,10 @@ def summarize(raw: dict) -> dict:
             rows.append({"name": name, "ms_per_token": ms, "tok_s": 1e3 / ms, "floor_share": floor_ms / ms,
                          "speedup": {p: measured[p]["ms_per_token"] / ms for p in peers if p != name}})
         contexts.append(dict(ctx, floor_ms=floor_ms, rows=rows))
-    return dict(raw, floor_bandwidth=FLOOR_BANDWIDTH, contexts=contexts)
+    floors = {c["context"]: c["floor_ms"] for c in contexts}
+    lanes = [dict(row, tok_s=1e3 / row["ms_per_token"], floor_share=floors[row["context"]] / row["ms_per_token"])
+             for row in raw.get("lanes", [])]
+    return dict(raw, floor_bandwidth=FLOOR_BANDWIDTH, contexts=contexts, lanes=lanes)
 
 
 NAME, NUM, PCT = 22, 11, 9
@@ -56,4 +59,13 @@ def format_table(summary: dict) -> str:
             lines.append(f"{row['name']:<{NAME}}{row['ms_per_token']:>{NUM}.4f}{row['tok_s']:>{NUM}.1f}"
                          f"{100 * row['floor_share']:>{PCT - 1}.1f}%"
                          + "".join(f"  {cell:>{len(c)}}" for cell, c in zip(cells, columns)))
+    if summary.get("lanes"):
+        lines += ["", "lanes on this one GPU (each lane its own blocks, weights, KV cache and inbox; one launch a sequence)",
+                  f"{'lanes':>5}  {'mode':<22}{'context':>8}{'blocks':>7}{'ms/token':>{NUM}}{'tok/s':>{NUM}}"
+                  f"{'% floor':>{PCT}}{'sent/lane/token':>17}"]
+        for row in summary["lanes"]:
+            lines.append(f"{row['lanes']:>5}  {row['mode']:<22}{row['context']:>8}{row['blocks']:>7}"
+                         f"{row['ms_per_token']:>{NUM}.4f}{row['tok_s']:>{NUM}.1f}{100 * row['floor_share']:>{PCT - 1}.1f}%"
+                         f"{row['exchange_bytes_per_lane'] / 1e3:>13.1f} kB")
+        lines.append("NCCL all-reduce baseline: needs one GPU per lane; not run on one GPU")
     return "\n".join(lines)

@@ -100,7 +100,11 @@ def _print_logprobs(tokenizer, tokens) -> None:
 
 def cmd_inspect(args) -> int:
     from .inspect import describe
-    print(describe(_spec(args), context=args.context))
+    spec = _spec(args)
+    print(describe(spec, context=args.context))
+    if args.dtp_error:
+        from .dtp_error import dtp_error
+        print(dtp_error(spec.replace(max_seq_len=min(spec.max_seq_len, max(args.tokens, 1))), args.tokens).summary(spec))
     return 0
 
 
@@ -129,6 +133,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("inspect", help="print the graph, parameters, bytes per token, the per-lane split")
     _add_model(p)
     p.add_argument("--context", type=int, default=128, help="context length for the KV-cache bytes")
+    p.add_argument("--dtp-error", action="store_true",
+                   help="with --lanes and --dtp-delay: how far past(d) moves the logits (KL, top-1), on the reference")
+    p.add_argument("--tokens", type=int, default=32, help="teacher-forced tokens for --dtp-error")
     p.set_defaults(func=cmd_inspect)
 
     for register in _extensions():

@@ -50,7 +50,7 @@ def describe(spec: ModelSpec, context: int = 128) -> str:
     ]
     if spec.approximate:
         lines.append(f"WARNING    past({spec.dtp_delay}) on a {cfg.arch} model not trained with delay: "
-                     "an approximation of the model (see `kiec bench --dtp-error`)")
+                     "an approximation of the model (`kiec inspect --dtp-error` measures how far)")
     lines += [
         f"bytes/token {b['total'] / 1e6:.2f} MB at context {context}: weights {b['weights'] / 1e6:.2f} MB "
         f"+ KV cache {b['kv_cache'] / 1e6:.2f} MB",

@@ -76,6 +76,33 @@ def test_table_without_peers():
     assert not any(l.startswith(p) for p in PEERS for l in table.splitlines())
 
 
+def test_lane_rows_share_and_table():
+    raw = _raw()
+    raw["lanes"] = [{"lanes": 1, "mode": "exact TP", "context": 128, "blocks": 132, "ms_per_token": 0.625,
+                     "ms_per_token_per_step": 0.7, "exchange_bytes_per_lane": 0},
+                    {"lanes": 8, "mode": "DTP past(2)", "context": 128, "blocks": 128, "ms_per_token": 1.0,
+                     "ms_per_token_per_step": 1.1, "exchange_bytes_per_lane": 917504}]
+    summary = summarize(raw)
+    assert [r["floor_share"] for r in summary["lanes"]] == pytest.approx([0.8, 0.5])
+    table = format_table(summary)
+    row = next(l for l in table.splitlines() if "DTP past(2)" in l).split()
+    assert row == ["8", "DTP", "past(2)", "128", "128", "1.0000", "1000.0", "50.0%", "917.5", "kB"]
+    assert table.splitlines()[-1] == "NCCL all-reduce baseline: needs one GPU per lane; not run on one GPU"
+
+
+def test_lane_modes_and_exchange_bytes(tmp_path):
+    from kiec.bench import exchange_bytes_per_lane
+    from kiec.pipeline import build_schedule
+    model = BenchModel("llama-3.2-1b", BenchOptions(contexts=(16,), steps=8, peers=False, lanes=(1, 8), dtp_delay=2),
+                       tmp_path)
+    rows = [(n, mode, spec.lanes, spec.dtp_delay) for n, mode, spec in model.lane_specs]
+    assert rows == [(1, "exact TP", 1, None), (8, "exact TP", 8, None), (8, "DTP past(2)", 8, 2)]
+    # exact: 16 layers x 2 sublayers x 2048 floats x 7 peers; past(2): the last 2 layers' partials are never read
+    for (_, _, spec), sends in zip(model.lane_specs[1:], (32, 28)):
+        assert exchange_bytes_per_lane(build_schedule(spec, 128)[1]) == sends * 2048 * 4 * 7
+    assert exchange_bytes_per_lane(build_schedule(model.lane_specs[0][2], 132)[1]) == 0
+
+
 def test_unknown_row_is_refused():
     with pytest.raises(ValueError, match="unknown bench rows"):
         summarize(_raw(dict(MEASURED, vllm=1.0)))
@@ -103,13 +130,19 @@ def test_without_a_gpu_one_error_line():
 @pytest.mark.parametrize("args, message", [
     (["tiny-llama"], "--contexts: got 8192; expected context + steps (8320) at most the model's "
                      "max_position_embeddings (512)"),
-    (["tiny-llama", "--contexts", "16,x"], "--contexts: got '16,x'; expected comma-separated context lengths"),
+    (["tiny-llama", "--contexts", "16,x"], "--contexts: got '16,x'; expected comma-separated integers, e.g. 128,8192"),
     (["tiny-llama", "--contexts", "0"], "--contexts: got (0,); expected positive context lengths"),
     (["tiny-llama", "--steps", "1"], "--steps: got 1; expected an integer of at least 2"),
     (["tiny-lama"], "model: got 'tiny-lama'; expected a model.json, a model folder, a GGUF file, smollm2 or a "
                     "synthetic preset (llama-3.2-1b, "),
     (["laneformer-2b", "--contexts", "16"], "model: got 'laneformer-2b'; expected a llama, qwen2 or mistral model "
                                             "for the torch peers (pass --no-peers to time kiec alone)"),
+    (["tiny-llama", "--contexts", "16", "--lanes", "2,x"], "--lanes: got '2,x'; expected comma-separated integers"),
+    (["tiny-llama", "--contexts", "16", "--lanes", "0"], "--lanes: got (0,); expected positive lane counts"),
+    (["tiny-llama", "--contexts", "16", "--lanes", "3", "--no-peers"], "lanes: got 3; expected a divisor of"),
+    (["tiny-llama", "--contexts", "16", "--dtp-delay", "1"], "--dtp-delay: got 1; expected --lanes as well"),
+    (["tiny-llama", "--contexts", "16", "--lanes", "2", "--dtp-delay", "5", "--no-peers"],
+     "dtp_delay: got 5; expected a delay smaller than the layer count (2)"),
     (["tiny-llama", "--contexts", "16", "--json", "/no/such/folder/out.json"],
      "--json: got '/no/such/folder/out.json'; expected a file in an existing folder"),
 ])
@@ -142,7 +175,7 @@ def test_preset_folder_for_transformers_has_the_benchmarked_weights(tmp_path):
 def test_bench_run_on_a_tiny_model(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "tiny-llama", "--contexts", "16,256", "--steps", "16", "--hf", "--json", str(out),
-                 "--quiet"]) == 0
+                 "--lanes", "1,2", "--dtp-delay", "1", "--quiet"]) == 0
     table = capsys.readouterr().out
     summary = json.loads(out.read_text())
     assert summary["bandwidth"]["best_bps"] > 1e12              # any HBM GPU reads over 1 TB/s
@@ -154,3 +187,7 @@ def test_bench_run_on_a_tiny_model(tmp_path, capsys):
             assert 0 < row["floor_share"] < 1, row                # ~100 kB of weights: launch latency dominates
         assert f"context {ctx['context']}:" in table
     assert summary["contexts"][1]["bytes_per_token"]["kv_cache"] > summary["contexts"][0]["bytes_per_token"]["kv_cache"]
+    lanes = [(r["lanes"], r["mode"], r["context"]) for r in summary["lanes"]]
+    assert lanes == [(1, "exact TP", 16), (1, "exact TP", 256), (2, "exact TP", 16), (2, "exact TP", 256),
+                     (2, "DTP past(1)", 16), (2, "DTP past(1)", 256)]
+    assert all(math.isfinite(r["ms_per_token"]) and r["ms_per_token"] > 0 for r in summary["lanes"])
