@@ -149,7 +149,7 @@ def time_torch_peers(spec, checkpoint, options: BenchOptions, rng, log) -> dict:
     for context in options.contexts:
         decoder.resize_cache(context + options.steps)    # attention reads the whole static cache
         out[context] = {}
-        steps = [("torch graph", decoder)] + ([("torch.compile graph", compiled)] if compiled else [])
+        steps = [("torch graph", decoder)] + ([("torch.compile graph", compiled)] if compiled is not None else [])
         for name, step in steps:
             log(f"{name} at context {context}" + (" (compiling, autotuning)" if step is compiled else ""))
             graphed = GraphedStep(step, decoder)
