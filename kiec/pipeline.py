@@ -64,8 +64,12 @@ def build_schedule(spec: ModelSpec, multiprocessors: int | None = None, dump: Pa
 def render_sources(spec: ModelSpec, multiprocessors: int | None = None, dump: Path | None = None, options=None):
     """(graph, schedule, files, module name): everything before the compiler."""
     from .codegen import render
+    from .errors import KiecError
     from .targets import get_target
     from .toolchain import source_key
+    if spec.gpus > 1:
+        raise KiecError("gpus", spec.gpus, "1: the kernel runs every lane on one GPU for now",
+                        "the multi-GPU launch (one lane per GPU, peer-mapped inboxes) is not built yet")
     target = get_target(spec.target)
     graph, sched = build_schedule(spec, multiprocessors, dump, options)
     files = render(sched, target, "kiec_model")

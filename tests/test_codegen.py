@@ -85,3 +85,10 @@ def test_each_target_gets_its_own_portability_section(tmp_path):
     amd = render_sources(spec.replace(target="hip:gfx942"))[2]["kiec_port.h"]
     assert "cp.async.bulk" in nvidia and "#define KIEC_WARP 32" in nvidia and "hipMalloc cudaMalloc" in nvidia
     assert "__builtin_amdgcn" in amd and "#define KIEC_WARP 64" in amd and "cp.async" not in amd
+
+
+def test_one_lane_per_gpu_is_refused_until_the_multi_gpu_launch_exists(tmp_path):
+    from kiec.errors import KiecError
+    spec = _spec(tmp_path, "tiny-llama").replace(lanes=2, gpus=2)
+    with pytest.raises(KiecError, match="gpus: got 2; expected 1: the kernel runs every lane on one GPU for now"):
+        render_sources(spec)
