@@ -104,7 +104,7 @@ def cmd_inspect(args) -> int:
     print(describe(spec, context=args.context))
     if args.dtp_error:
         from .dtp_error import dtp_error
-        print(dtp_error(spec.replace(max_seq_len=min(spec.max_seq_len, max(args.tokens, 1))), args.tokens).summary(spec))
+        print(dtp_error(spec, args.tokens).summary(spec))
     return 0
 
 

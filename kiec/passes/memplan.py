@@ -111,6 +111,7 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     if lanes > LINE // 4:
         raise KiecError("lanes", lanes, f"at most {LINE // 4} (one {LINE}-byte line holds a tile's peer flags)")
     slots = exchange_slots(residual) if lanes > 1 else 0
+    exchange_tiles = max(s.tiles for s in residual)       # attn_out and down: D rows, the same tiling
     if slots:
         lane_acts.add("inbox", 4 * slots * 2 * lanes * cfg.hidden)
     shared_acts = _Region()
@@ -143,7 +144,7 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
             for j in range(s.attr("kv_heads")):
                 lane_sync.add(f"ticket.{s.index}.{j}", LINE)
     if slots:
-        lane_sync.add("peer_flags", LINE * slots * 2 * max(s.tiles for s in residual))   # [slot][sublayer][tile]
+        lane_sync.add("peer_flags", LINE * slots * 2 * exchange_tiles)   # [slot][sublayer][tile]
     sync_map = dict(sync.entries)
     sync_map.update({"lane." + k: (sync.size + o, n) for k, (o, n) in lane_sync.entries.items()})
     sync_map["__lane_stride"] = (lane_sync.size, 0)
@@ -151,7 +152,7 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
 
     memory = {"weights": weights, "acts": acts, "kv": kv, "sync": sync_map}
     config = dict(sched.config, max_seq_len=max_seq_len, dtype=dtype, exchange_slots=slots,
-                  exchange_tiles=max(s.tiles for s in residual))
+                  exchange_tiles=exchange_tiles)
     return dataclasses.replace(sched, stages=stages, memory=memory, packing=packing, config=config)
 
 
