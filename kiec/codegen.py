@@ -135,7 +135,8 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              s_lane_stride=sy["__lane_stride"][0], s_total=sy["__total"][0])
     context = dict(model=sched.model, version=__version__, target=target, grid=sched.grid, c=c, m=m,
                    stages=stages, stage_kinds=[(k, i) for i, k in enumerate(STAGE_KINDS)],
-                   group_signals=group_signals or [0], trace_floats=trace_floats, module_name=module_name)
+                   group_signals=group_signals or [0], trace_floats=trace_floats, module_name=module_name,
+                   p=sched.prefill, prefill_off=cfg.get("prefill_off"))
     env = _env()
     return {
         "kiec_port.h": env.get_template("port.h.j2").render(target=target),

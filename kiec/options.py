@@ -12,6 +12,7 @@ class CompileOptions:
     consumer_warps: int | None = None   # consumer warps per block (None: the target's default)
     slot_bytes: int | None = None       # one weight-ring slot (None: the target's)
     max_slots: int | None = None        # at most this many ring slots (None: as many as shared memory holds)
+    prefill_chunk: int | None = None    # prompt tokens one prefill pass takes (None: 2048, or max_seq_len)
 
     def __post_init__(self):
         if self.consumer_warps is not None and self.consumer_warps not in (4, 8, 16):
@@ -20,6 +21,8 @@ class CompileOptions:
             raise KiecError("slot_bytes", self.slot_bytes, "a multiple of 1024, at least 4096")
         if self.max_slots is not None and self.max_slots < 2:
             raise KiecError("max_slots", self.max_slots, "at least 2")
+        if self.prefill_chunk is not None and (self.prefill_chunk < 64 or self.prefill_chunk % 64):
+            raise KiecError("prefill_chunk", self.prefill_chunk, "a multiple of 64, at least 64")
 
     def label(self) -> str:
         """'slot_bytes=32768' style: only the knobs that differ from the defaults."""

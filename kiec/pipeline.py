@@ -1,7 +1,7 @@
 """The pipeline, as one readable list of named steps. The names key the dumps.
 
     model.json -> ModelSpec -> lower -> shard -> dtp -> verify -> fuse -> schedule -> memplan
-               -> codegen (.hip) -> build (ninja) -> .so
+               -> prefill -> codegen (.hip) -> build (ninja) -> .so
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def schedule_steps(spec: ModelSpec, multiprocessors: int | None = None, options=
     """(name, function) for the steps from a graph to a placed, memory-planned Schedule."""
     from .passes.fuse import fuse
     from .passes.memplan import memplan
+    from .passes.prefill import prefill
     from .passes.schedule import schedule
     from .options import CompileOptions
     from .targets import get_target
@@ -47,6 +48,7 @@ def schedule_steps(spec: ModelSpec, multiprocessors: int | None = None, options=
         ("fuse", lambda g: fuse(g, spec.config)),                                     # ops -> stages
         ("schedule", lambda s: schedule(s, target, multiprocessors, spec.max_seq_len, options)),  # tiles, ring
         ("memplan", lambda s: memplan(s, spec.config, spec.max_seq_len, spec.dtype)),  # offsets of everything
+        ("prefill", lambda s: prefill(s, target, options.prefill_chunk)),           # the prompt path's plan
     ]
 
 

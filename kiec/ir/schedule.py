@@ -112,6 +112,7 @@ class Schedule:
     config: dict = field(default_factory=dict)      # the ArchConfig facts templates use
     memory: dict = field(default_factory=dict)      # memplan: buffer -> (offset, bytes), per region
     packing: list = field(default_factory=list)     # memplan: how each weight lands in the blob
+    prefill: dict | None = None                     # passes/prefill: the prompt path's plan, or None
 
     def gemv_stages(self):
         return [s for s in self.stages if s.gemv is not None]
@@ -127,6 +128,10 @@ class Schedule:
         for region, buffers in self.memory.items():
             for name, (offset, size) in buffers.items():
                 lines.append(f"  mem {region}.{name} @ {offset} ({size} bytes)")
+        if self.prefill is not None:
+            lines.append(f"  prefill chunk={self.prefill['chunk']} key_tile={self.prefill['key_tile']}")
+        elif "prefill_off" in self.config:
+            lines.append(f"  prefill off: {self.config['prefill_off']}")
         return "\n".join(lines) + "\n"
 
     def to_json(self) -> str:

@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import DeviceError, KiecError
 from ..model import ModelSpec
 
+PREFILL_KINDS = ("embed", "norm", "qkv", "rope_kv", "attention", "o", "gate_up", "down")   # kiec_prefill's order
 REGION_ACTS, REGION_KV, REGION_HISTORY, REGION_TRACE, REGION_TOKENS, REGION_PROFILE = 0, 1, 2, 3, 4, 5
 
 
@@ -77,7 +78,8 @@ class GpuBackend:
     name = "gpu"
 
     def __init__(self, spec: ModelSpec, device: int = 0, quiet: bool = False, progress=None,
-                 timeout_s: float = 5.0, checkpoint=None, compiled: CompiledModel | None = None):
+                 timeout_s: float = 5.0, checkpoint=None, compiled: CompiledModel | None = None,
+                 prefill: bool = True):
         from ..pack import pack_weights
         from ..weights import load_checkpoint, materialize
         self.spec, self.device, self.timeout_s = spec, device, timeout_s
@@ -95,6 +97,10 @@ class GpuBackend:
         self.vocab = spec.config.vocab
         self.step_base = 0
         self.logits_offset = self.sched.memory["acts"]["logits"][0]
+        # the matrix-unit prefill takes a prompt's tokens but the last; without it (several lanes, or
+        # prefill=False) the decode kernel takes them one step each
+        self.use_prefill = prefill and self.info["prefill_chunk"] > 0
+        self.last_prefill_ms = 0.0
 
     # --- launches ---------------------------------------------------------------------------------
     def _launch(self, forced, n_steps: int, start: int, temperature: float = 0.0, seed: int = 0,
@@ -104,6 +110,28 @@ class GpuBackend:
         self.kernel.launch(np.asarray(forced, dtype=np.uint32), n_steps, start, self.step_base, float(temperature),
                            int(seed) & 0xFFFFFFFF, [int(t) for t in stop_ids][:8], history, trace, profile,
                            self.timeout_s)
+
+    def prefill(self, tokens, start: int) -> float:
+        """K and V of `tokens` at positions start.. into the cache (matrix-unit kernels); GPU milliseconds."""
+        tokens = list(tokens)
+        if start + len(tokens) > self.max_seq_len:
+            raise KiecError("context", start + len(tokens), f"at most max_seq_len ({self.max_seq_len}) tokens")
+        self.last_prefill_ms = float(self.kernel.prefill(np.asarray(tokens, dtype=np.uint32), start)[0])
+        return self.last_prefill_ms
+
+    def prefill_profile(self, tokens, start: int) -> dict:
+        """Where a prefill's GPU time goes: milliseconds per kind of launch (each launch drained, so the
+        kinds add up to more than an unprofiled prefill), and the total."""
+        ms, kinds = self.kernel.prefill(np.asarray(list(tokens), dtype=np.uint32), start, True)
+        return {"total_ms": float(ms), **{k: float(v) for k, v in zip(PREFILL_KINDS, kinds)}}
+
+    def _prefilled(self, tokens, start: int):
+        """Prefills all of `tokens` but the last where the kernels exist; returns what the decode kernel takes."""
+        tokens = list(tokens)
+        if self.use_prefill and len(tokens) > 1:
+            self.prefill(tokens[:-1], start)
+            return tokens[-1:], start + len(tokens) - 1
+        return tokens, start
 
     def _finish(self) -> float:
         record, ms = self.kernel.finish()
@@ -123,8 +151,9 @@ class GpuBackend:
                            f"waited for {target}, saw {seen}; the kernel stopped itself instead of hanging")
 
     def forward(self, tokens, start: int) -> np.ndarray:
-        """Logits [vocab] after feeding `tokens` at positions start..; one launch for all of them."""
-        tokens = list(tokens)
+        """Logits [vocab] after feeding `tokens` at positions start..: a prefill of all but the last,
+        then one decode step (or, without prefill kernels, one launch of len(tokens) decode steps)."""
+        tokens, start = self._prefilled(tokens, start)
         self._launch(tokens, len(tokens), start)
         self._finish()
         return self.read_logits()
@@ -179,8 +208,9 @@ class GpuBackend:
 
     def generate_on_device(self, prompt, start: int, max_new: int, temperature: float = 0.0, seed: int = 0,
                            stop_ids=(), poll_s: float = 0.0002):
-        """One launch for the whole completion; yields tokens as the kernel writes them to host memory."""
-        prompt = list(prompt)
+        """A prefill, then one launch for the whole completion; yields tokens as the kernel writes them
+        to host memory."""
+        prompt, start = self._prefilled(prompt, start)
         steps = min(len(prompt) - 1 + max_new, self.max_seq_len - start)
         self._launch(prompt, steps, start, temperature, seed, stop_ids)
         sent = len(prompt) - 1
