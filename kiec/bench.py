@@ -2,6 +2,7 @@
 
     kiec bench llama-3.2-1b [--contexts 128,8192] [--steps 128] [--no-peers] [--hf] [--json out.json]
     kiec bench llama-3.2-1b --lanes 1,2,4,8 [--dtp-delay 2] --no-peers
+    kiec bench llama-3.2-1b --prompts 512,2048,8192     (time to first token; --no-prefill leaves it out)
 
 One run measures, in order: the device's read bandwidth (kiec's own 16-byte grid-stride read,
 kiec.probe); kiec's ms/token at each context, one launch per step and one launch per sequence
@@ -39,6 +40,7 @@ class BenchOptions:
     seed: int = 0             # the random weights of a preset, and the tokens fed
     lanes: tuple = ()         # lane counts to time on this GPU (exact TP, and past(dtp_delay))
     dtp_delay: int | None = None
+    prompts: tuple = (512, 2048, 8192)    # prompt lengths to time to first token; () leaves prefill out
 
     def __post_init__(self):
         if not self.contexts or any(isinstance(c, bool) or not isinstance(c, int) or c <= 0 for c in self.contexts):
@@ -47,10 +49,12 @@ class BenchOptions:
             raise KiecError("--steps", self.steps, "an integer of at least 2")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lanes):
             raise KiecError("--lanes", self.lanes, "positive lane counts, e.g. 1,2,4,8")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.prompts):
+            raise KiecError("--prompts", self.prompts, "prompt lengths of at least 2 tokens, e.g. 512,2048,8192")
 
     @property
     def max_seq_len(self) -> int:
-        return max(self.contexts) + self.steps
+        return max(max(self.contexts) + self.steps, max(self.prompts, default=0))
 
 
 def parse_counts(text: str, option: str = "--contexts", example: str = "128,8192") -> tuple:
@@ -77,10 +81,14 @@ class BenchModel:
             max_positions = arch_config(arch, self.preset).max_positions
         else:
             max_positions = load_spec(model).config.max_positions
-        if options.max_seq_len > max_positions:
+        if max(options.contexts) + options.steps > max_positions:
             raise KiecError("--contexts", max(options.contexts),
-                            f"context + steps ({options.max_seq_len}) at most the model's max_position_embeddings "
-                            f"({max_positions})")
+                            f"context + steps ({max(options.contexts) + options.steps}) at most the model's "
+                            f"max_position_embeddings ({max_positions})")
+        if max(options.prompts, default=0) > max_positions:
+            raise KiecError("--prompts", max(options.prompts),
+                            f"prompts of at most the model's max_position_embeddings ({max_positions}) tokens",
+                            "shorter --prompts, or --no-prefill")
         if self.preset is not None:
             (workdir / "config.json").write_text(json.dumps(self.preset))
             self.spec = load_spec({"name": model, "weights": str(workdir), "max_seq_len": options.max_seq_len})
@@ -180,7 +188,21 @@ def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None
     for context in options.contexts:
         log(f"kiec at context {context}")
         measured[context] = time_kiec(backend, context, options.steps, rng)
+    prefill = None
+    if options.prompts and backend.use_prefill:
+        from .bench_prefill import layer_matrix_params, matrix_rate, time_kiec_prefill
+        log("bf16 matrix rate (torch.matmul)")
+        prefill = {"matrix_rate": matrix_rate(), "layer_matrix_params": layer_matrix_params(spec)}
+        log(f"kiec time to first token at {', '.join(map(str, options.prompts))} tokens")
+        prefill["kiec"] = time_kiec_prefill(backend, options.prompts, rng)
+    elif options.prompts:
+        prefill = {"off": backend.sched.config.get("prefill_off") or "prefill turned off"}
     del backend
+    if prefill and "kiec" in prefill and options.peers:
+        from .bench_prefill import time_torch_prefill
+        log("torch batched prefill")
+        prefill["torch"] = time_torch_prefill(spec, checkpoint, options.prompts, rng)
+    raw["prefill"] = prefill
     if options.peers:
         for context, rows in time_torch_peers(spec, checkpoint, options, rng, log).items():
             measured[context].update(rows)
@@ -265,6 +287,9 @@ def register_bench(sub) -> None:
                                                 "(comma-separated, e.g. 1,2,4,8)")
     p.add_argument("--dtp-delay", type=int, default=None,
                    help="with --lanes: also time Delayed Tensor Parallelism past(D) (an approximation of the model)")
+    p.add_argument("--prompts", default=",".join(map(str, d.prompts)),
+                   help="prompt lengths to time to first token, comma-separated (default: %(default)s)")
+    p.add_argument("--no-prefill", action="store_true", help="leave out the time to first token")
     p.add_argument("--json", type=Path, help="write every measurement and derived number here")
     p.set_defaults(func=cmd_bench)
 
@@ -275,14 +300,15 @@ def cmd_bench(args) -> int:
     options = BenchOptions(contexts=parse_counts(args.contexts), steps=args.steps, peers=not args.no_peers,
                            compile_peer=not args.no_compile, hf=args.hf, seed=args.seed,
                            lanes=parse_counts(args.lanes, "--lanes", "1,2,4,8") if args.lanes else (),
-                           dtp_delay=args.dtp_delay)
+                           dtp_delay=args.dtp_delay,
+                           prompts=() if args.no_prefill else parse_counts(args.prompts, "--prompts", "512,2048,8192"))
     if args.json is not None and not args.json.parent.is_dir():     # found now, not after minutes of timing
         raise KiecError("--json", str(args.json), "a file in an existing folder")
     quiet = getattr(args, "quiet", False)
     log = (lambda m: None) if quiet else (lambda m: print(f"[kiec bench] {m}", file=sys.stderr, flush=True))
     with tempfile.TemporaryDirectory(prefix="kiec-bench-") as workdir:
         model = BenchModel(args.model, options, Path(workdir))    # argument errors come before the GPU check
-        require_gpu(options.peers)
+        require_gpu(options.peers or bool(options.prompts))
         summary = summarize(run_bench(model, options, log))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))

@@ -31,7 +31,11 @@ def summarize(raw: dict) -> dict:
     floors = {c["context"]: c["floor_ms"] for c in contexts}
     lanes = [dict(row, tok_s=1e3 / row["ms_per_token"], floor_share=floors[row["context"]] / row["ms_per_token"])
              for row in raw.get("lanes", [])]
-    return dict(raw, floor_bandwidth=FLOOR_BANDWIDTH, contexts=contexts, lanes=lanes)
+    prefill = raw.get("prefill")
+    if prefill and "kiec" in prefill:
+        from .bench_prefill import summarize_prefill
+        prefill = summarize_prefill(prefill)
+    return dict(raw, floor_bandwidth=FLOOR_BANDWIDTH, contexts=contexts, lanes=lanes, prefill=prefill)
 
 
 NAME, NUM, PCT = 22, 11, 9
@@ -68,4 +72,10 @@ def format_table(summary: dict) -> str:
                          f"{row['ms_per_token']:>{NUM}.4f}{row['tok_s']:>{NUM}.1f}{100 * row['floor_share']:>{PCT - 1}.1f}%"
                          f"{row['exchange_bytes_per_lane'] / 1e3:>13.1f} kB")
         lines.append("NCCL all-reduce baseline: needs one GPU per lane; not run on one GPU")
+    prefill = summary.get("prefill")
+    if prefill and "rows" in prefill:
+        from .bench_prefill import format_prefill
+        lines += format_prefill(prefill)
+    elif prefill:
+        lines += ["", f"time to first token: not measured ({prefill['off']}: the decode kernel takes the prompt)"]
     return "\n".join(lines)

@@ -5,6 +5,8 @@ within 1e-4 (relative norm per position) over a prompt and 32 decode steps, on t
 llama (also with llama3 RoPE scaling), qwen2 (QKV biases) and mistral (sliding window 16,
 so the later steps are past it). The decoder's own argmax is what it feeds itself, as on the
 GPU, and it must be the reference's argmax at every step.
+The batched prefill peer (torch_prefill.py) gives the reference's logits for a whole prompt at
+once, and a decode step from the cache it filled gives the next position's.
 On the GPU (marked gpu): the same step captured in one CUDA graph, and its torch.compile form
 captured the same way, replayed with the token fed back on the device, in float32 against the
 reference at the same 1e-4, and in bf16 at the bf16 tolerance.
@@ -24,6 +26,7 @@ from refcheck import reference, relative_errors
 
 torch = pytest.importorskip("torch")
 from kiec.baselines.torch_decode import GraphedStep, TorchDecoder, compile_step  # noqa: E402
+from kiec.baselines.torch_prefill import prefill  # noqa: E402
 
 PROMPT, DECODE = 8, 32
 MAX_SEQ = 64
@@ -80,6 +83,18 @@ def test_eager_step_equals_reference(model):
     decoder = TorchDecoder(model, load_checkpoint(model), MAX_SEQ)
     fed, logits, chosen = _eager_decode(decoder, _prompt(model))
     _check_against_reference(model, fed, logits, chosen, TOLERANCE)
+
+
+def test_batched_prefill_equals_reference_and_decode_continues_it(model):
+    """The prompt (longer than mistral's window) as one forward; then one decode step from its cache."""
+    decoder = TorchDecoder(model, load_checkpoint(model), MAX_SEQ)
+    tokens = [int(t) for t in np.random.default_rng(3).integers(model.config.vocab, size=PROMPT + DECODE + 1)]
+    want = _reference_logits(model, tokens)
+    with torch.no_grad():
+        last = prefill(decoder, torch.tensor(tokens[:-1])).numpy()
+        step, _ = decoder(torch.tensor(tokens[-1:]), torch.tensor([len(tokens) - 1]))
+    errors = relative_errors(np.stack([last, step.numpy()]), want[-2:])
+    assert errors.max() < TOLERANCE, errors
 
 
 def test_mistral_window_matters(tmp_path):

@@ -90,6 +90,29 @@ def test_lane_rows_share_and_table():
     assert table.splitlines()[-1] == "NCCL all-reduce baseline: needs one GPU per lane; not run on one GPU"
 
 
+def test_prefill_floor_share_speedup_and_table():
+    from kiec.bench_prefill import layer_matrix_params
+    from kiec.synthetic import preset
+    from kiec.model import arch_config
+    cfg = arch_config("llama", preset("llama-3.2-1b"))
+    spec = type("Spec", (), {"config": cfg})()
+    assert layer_matrix_params(spec) == 16 * (2048 * 3072 + 2048 * 2048 + 3 * 2048 * 8192)    # 0.973 G
+    raw = _raw()
+    # 1 G matrix parameters, 2048 tokens, 400 TFLOP/s: a floor of 10.24 ms
+    raw["prefill"] = {"matrix_rate": {"size": 8192, "ms": 2.75, "flops_per_s": 4.0e14}, "layer_matrix_params": 10 ** 9,
+                      "kiec": {2048: {"ttft_ms": 20.48, "prefill_ms": 19.5, "repeats": 5}},
+                      "torch": {2048: {"ttft_ms": 40.96, "repeats": 5}}}
+    summary = summarize(raw)
+    row = summary["prefill"]["rows"][0]
+    assert row["floor_ms"] == pytest.approx(10.24) and row["floor_share"] == pytest.approx(0.5)
+    assert row["speedup_vs_torch"] == pytest.approx(2.0) and row["prefill_tok_s"] == pytest.approx(2047 / 19.5e-3)
+    table = format_table(summary)
+    assert "time to first token" in table and "400 TFLOP/s" in table
+    assert table.splitlines()[-1].split() == ["2048", "20.48", "19.50", "104974", "10.24", "50.0%", "40.96", "2.00x"]
+    raw["prefill"] = {"off": "2 lanes: the prompt goes through the lanes' exchange in the decode kernel"}
+    assert "time to first token: not measured (2 lanes" in format_table(summarize(raw))
+
+
 def test_lane_modes_and_exchange_bytes(tmp_path):
     from kiec.bench import exchange_bytes_per_lane
     from kiec.pipeline import build_schedule
@@ -120,7 +143,8 @@ def test_help_works_without_torch():
 
 @pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
 def test_without_a_gpu_one_error_line():
-    run = subprocess.run([sys.executable, "-m", "kiec.cli", "bench", "tiny-llama", "--contexts", "16", "--steps", "8"],
+    run = subprocess.run([sys.executable, "-m", "kiec.cli", "bench", "tiny-llama", "--contexts", "16", "--steps", "8",
+                          "--prompts", "64,256"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.splitlines() == ["kiec: error: device: got 'no GPU'; expected an NVIDIA GPU with nvidia-smi "
@@ -130,6 +154,10 @@ def test_without_a_gpu_one_error_line():
 @pytest.mark.parametrize("args, message", [
     (["tiny-llama"], "--contexts: got 8192; expected context + steps (8320) at most the model's "
                      "max_position_embeddings (512)"),
+    (["tiny-llama", "--contexts", "16"], "--prompts: got 8192; expected prompts of at most the model's "
+                                         "max_position_embeddings (512) tokens (shorter --prompts, or --no-prefill)"),
+    (["tiny-llama", "--contexts", "16", "--prompts", "1"], "--prompts: got (1,); expected prompt lengths of at least 2"),
+    (["tiny-llama", "--contexts", "16", "--prompts", "a"], "--prompts: got 'a'; expected comma-separated integers"),
     (["tiny-llama", "--contexts", "16,x"], "--contexts: got '16,x'; expected comma-separated integers, e.g. 128,8192"),
     (["tiny-llama", "--contexts", "0"], "--contexts: got (0,); expected positive context lengths"),
     (["tiny-llama", "--steps", "1"], "--steps: got 1; expected an integer of at least 2"),
@@ -137,13 +165,13 @@ def test_without_a_gpu_one_error_line():
                     "synthetic preset (llama-3.2-1b, "),
     (["laneformer-2b", "--contexts", "16"], "model: got 'laneformer-2b'; expected a llama, qwen2 or mistral model "
                                             "for the torch peers (pass --no-peers to time kiec alone)"),
-    (["tiny-llama", "--contexts", "16", "--lanes", "2,x"], "--lanes: got '2,x'; expected comma-separated integers"),
-    (["tiny-llama", "--contexts", "16", "--lanes", "0"], "--lanes: got (0,); expected positive lane counts"),
-    (["tiny-llama", "--contexts", "16", "--lanes", "3", "--no-peers"], "lanes: got 3; expected a divisor of"),
-    (["tiny-llama", "--contexts", "16", "--dtp-delay", "1"], "--dtp-delay: got 1; expected --lanes as well"),
-    (["tiny-llama", "--contexts", "16", "--lanes", "2", "--dtp-delay", "5", "--no-peers"],
+    (["tiny-llama", "--contexts", "16", "--no-prefill", "--lanes", "2,x"], "--lanes: got '2,x'; expected comma-separated integers"),
+    (["tiny-llama", "--contexts", "16", "--no-prefill", "--lanes", "0"], "--lanes: got (0,); expected positive lane counts"),
+    (["tiny-llama", "--contexts", "16", "--no-prefill", "--lanes", "3", "--no-peers"], "lanes: got 3; expected a divisor of"),
+    (["tiny-llama", "--contexts", "16", "--no-prefill", "--dtp-delay", "1"], "--dtp-delay: got 1; expected --lanes as well"),
+    (["tiny-llama", "--contexts", "16", "--no-prefill", "--lanes", "2", "--dtp-delay", "5", "--no-peers"],
      "dtp_delay: got 5; expected a delay smaller than the layer count (2)"),
-    (["tiny-llama", "--contexts", "16", "--json", "/no/such/folder/out.json"],
+    (["tiny-llama", "--contexts", "16", "--no-prefill", "--json", "/no/such/folder/out.json"],
      "--json: got '/no/such/folder/out.json'; expected a file in an existing folder"),
 ])
 def test_argument_errors(capsys, args, message):
@@ -154,15 +182,17 @@ def test_argument_errors(capsys, args, message):
 
 
 def test_model_spec_fits_the_run(tmp_path, tiny_llama):
-    options = BenchOptions(contexts=(16, 64), steps=8)
+    options = BenchOptions(contexts=(16, 64), steps=8, prompts=())
     for name in ("tiny-llama", str(tiny_llama)):
         (tmp_path / "work").mkdir(exist_ok=True)
         assert BenchModel(name, options, tmp_path / "work").spec.max_seq_len == 72
+    longer = BenchOptions(contexts=(16,), steps=8, prompts=(100, 300))
+    assert BenchModel("tiny-llama", longer, tmp_path / "work").spec.max_seq_len == 300     # the longest prompt
 
 
 def test_preset_folder_for_transformers_has_the_benchmarked_weights(tmp_path):
     from kiec.weights import load_checkpoint
-    model = BenchModel("tiny-qwen2", BenchOptions(contexts=(16,), steps=8, seed=3), tmp_path)
+    model = BenchModel("tiny-qwen2", BenchOptions(contexts=(16,), steps=8, seed=3, prompts=()), tmp_path)
     in_memory = model.checkpoint()
     on_disk = load_checkpoint(model.spec.replace(weights=model.hf_source()))
     for name in ("embed", "layers.1.wq", "layers.0.bk", "final_norm"):
@@ -175,7 +205,7 @@ def test_preset_folder_for_transformers_has_the_benchmarked_weights(tmp_path):
 def test_bench_run_on_a_tiny_model(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "tiny-llama", "--contexts", "16,256", "--steps", "16", "--hf", "--json", str(out),
-                 "--lanes", "1,2", "--dtp-delay", "1", "--quiet"]) == 0
+                 "--lanes", "1,2", "--dtp-delay", "1", "--prompts", "64,300", "--quiet"]) == 0
     table = capsys.readouterr().out
     summary = json.loads(out.read_text())
     assert summary["bandwidth"]["best_bps"] > 1e12              # any HBM GPU reads over 1 TB/s
@@ -191,3 +221,7 @@ def test_bench_run_on_a_tiny_model(tmp_path, capsys):
     assert lanes == [(1, "exact TP", 16), (1, "exact TP", 256), (2, "exact TP", 16), (2, "exact TP", 256),
                      (2, "DTP past(1)", 16), (2, "DTP past(1)", 256)]
     assert all(math.isfinite(r["ms_per_token"]) and r["ms_per_token"] > 0 for r in summary["lanes"])
+    prefill = summary["prefill"]
+    assert [r["tokens"] for r in prefill["rows"]] == [64, 300] and "time to first token" in table
+    for r in prefill["rows"]:
+        assert 0 < r["prefill_ms"] < r["ttft_ms"] and r["torch_ttft_ms"] > 0 and 0 < r["floor_share"] < 1, r

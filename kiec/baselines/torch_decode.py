@@ -166,10 +166,10 @@ def _rms_norm(x, w, eps: float):
 
 
 def _rope(x, cos, sin):
-    """rotate_half RoPE in fp32: x [heads, hd], cos/sin [1, hd/2]."""
+    """rotate_half RoPE in fp32: x [..., heads, hd], cos/sin broadcasting against [..., heads, hd/2]."""
     x32 = x.float()
     half = x.shape[-1] // 2
-    x1, x2 = x32[:, :half], x32[:, half:]
+    x1, x2 = x32[..., :half], x32[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
