@@ -23,6 +23,7 @@ from ..targets import Target
 DEFAULT_CHUNK = 2048
 ATTENTION_ROWS = 64            # queries one attention block takes (4 warps of 16)
 GEMM = dict(warps_m=2, warps_n=4, units_m=4, units_n=2, k=32, stages=3)
+WIDE_K = 64                    # k per slice where shared memory holds it: half the barriers, ~4% faster on the H200
 
 
 def gemm_smem(g: dict) -> int:
@@ -36,6 +37,11 @@ def key_tile(head_dim: int, smem_bytes: int) -> int:
         if (ATTENTION_ROWS + 4 * keys) * ld * 2 + 4 * 256 * 2 <= smem_bytes:
             return keys
     return 0
+
+
+def gemm_block(target: Target) -> dict:
+    wide = dict(GEMM, k=WIDE_K)
+    return wide if gemm_smem(wide) <= target.smem_bytes else dict(GEMM)
 
 
 def prefill(sched: Schedule, target: Target, chunk: int | None = None) -> Schedule:
@@ -64,7 +70,7 @@ def prefill(sched: Schedule, target: Target, chunk: int | None = None) -> Schedu
             down=matrix(stages["down"]),
             bias=base + w[prefix + "qkv_bias"][0] if qkv.attr("bias") else None,
             q_rows=qkv.attr("q_rows"), kv_rows=qkv.attr("kv_rows"), window=att.attr("window") or 0))
-    plan = dict(chunk=chunk, key_tile=key_tile(cfg["head_dim"], target.smem_bytes), gemm=dict(GEMM), layers=layers)
+    plan = dict(chunk=chunk, key_tile=key_tile(cfg["head_dim"], target.smem_bytes), gemm=gemm_block(target), layers=layers)
     return dataclasses.replace(sched, prefill=plan, config=dict(cfg, prefill_off=None))
 
 
