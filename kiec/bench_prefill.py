@@ -24,22 +24,27 @@ def layer_matrix_params(spec) -> int:
     return c.layers * (c.hidden * (q + 2 * kv) + q * c.hidden + 3 * c.hidden * c.ffn)
 
 
+def _median_event_ms(run, repeats: int) -> float:
+    """Median of `repeats` calls of `run`, each between two CUDA events (after one untimed call)."""
+    import torch
+    run()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return float(np.median(times))
+
+
 def matrix_rate(size: int = 8192, repeats: int = 20) -> dict:
     """The device's bf16 matrix rate: torch.matmul (cuBLAS) of two size x size matrices, median."""
     import torch
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    ms = float(np.median(times))
+    ms = _median_event_ms(lambda: a @ b, repeats)
     return {"size": size, "ms": ms, "flops_per_s": 2 * size ** 3 / ms * 1e3}
 
 
@@ -70,16 +75,8 @@ def time_torch_prefill(spec, checkpoint, prompts, rng, repeats: int = 5) -> dict
     with torch.no_grad():
         for n in prompts:
             tokens = torch.tensor(rng.integers(spec.config.vocab, size=n), device="cuda")
-            prefill(decoder, tokens)
-            times = []
-            for _ in range(repeats):
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                prefill(decoder, tokens).cpu()
-                stop.record()
-                stop.synchronize()
-                times.append(start.elapsed_time(stop))
-            out[n] = {"ttft_ms": float(np.median(times)), "repeats": repeats}
+            ms = _median_event_ms(lambda: prefill(decoder, tokens).cpu(), repeats)
+            out[n] = {"ttft_ms": ms, "repeats": repeats}
     del decoder
     torch.cuda.empty_cache()
     return out

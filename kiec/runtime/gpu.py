@@ -111,19 +111,23 @@ class GpuBackend:
                            int(seed) & 0xFFFFFFFF, [int(t) for t in stop_ids][:8], history, trace, profile,
                            self.timeout_s)
 
-    def prefill(self, tokens, start: int) -> float:
-        """K and V of `tokens` at positions start.. into the cache (matrix-unit kernels); GPU milliseconds."""
+    def _run_prefill(self, tokens, start: int, profile: bool):
         tokens = list(tokens)
         if start + len(tokens) > self.max_seq_len:
             raise KiecError("context", start + len(tokens), f"at most max_seq_len ({self.max_seq_len}) tokens")
-        self.last_prefill_ms = float(self.kernel.prefill(np.asarray(tokens, dtype=np.uint32), start)[0])
+        ms, kinds = self.kernel.prefill(np.asarray(tokens, dtype=np.uint32), start, profile)
+        return float(ms), kinds
+
+    def prefill(self, tokens, start: int) -> float:
+        """K and V of `tokens` at positions start.. into the cache (matrix-unit kernels); GPU milliseconds."""
+        self.last_prefill_ms = self._run_prefill(tokens, start, False)[0]
         return self.last_prefill_ms
 
     def prefill_profile(self, tokens, start: int) -> dict:
         """Where a prefill's GPU time goes: milliseconds per kind of launch (each launch drained, so the
         kinds add up to more than an unprofiled prefill), and the total."""
-        ms, kinds = self.kernel.prefill(np.asarray(list(tokens), dtype=np.uint32), start, True)
-        return {"total_ms": float(ms), **{k: float(v) for k, v in zip(PREFILL_KINDS, kinds)}}
+        ms, kinds = self._run_prefill(tokens, start, True)
+        return {"total_ms": ms, **{k: float(v) for k, v in zip(PREFILL_KINDS, kinds)}}
 
     def _prefilled(self, tokens, start: int):
         """Prefills all of `tokens` but the last where the kernels exist; returns what the decode kernel takes."""
