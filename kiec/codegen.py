@@ -72,6 +72,8 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
         flags |= 16
     if send:
         flags |= 32
+    if sched.grid.devices > 1 and s.kind == "down" and s.layer == sched.config["layers"] - 1:
+        flags |= 64          # the last residual: mirrored to every device for the LM head
     prev = sched.stages[s.index - 1] if s.index else None
     # every stage waits for all of the one before it, except attention (its KV group's qkv tiles)
     # and layer 0's qkv (the token); an attention stage signals once per KV group
@@ -124,6 +126,9 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              splits=att.attr("splits"), attention_rows=att.attr("rows"), attention_prefetch=att.attr("prefetch"), x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes))
     m = dict(w_embed=w["embed"][0], w_final_norm=w["final_norm"][0], w_rope=w["rope"][0],
              w_lanes_base=w["__lanes_base"][0], w_lane_stride=w["__lane_stride"][0], w_total=w["__total"][0],
+             w_device_total=w["__device_total"][0],
+             a_h_mirror=a["h_mirror"][0] if "h_mirror" in a else 0,
+             s_h_mirror=sy["h_mirror"][0] if "h_mirror" in sy else 0,
              a_h=a["lane.h"][0], a_q=a["lane.q"][0], a_attn=a["lane.attn_out"][0], a_act=a["lane.act"][0],
              a_part=a["lane.attn_partial"][0], a_lane_stride=a["__lane_stride"][0], a_logits=a["logits"][0],
              a_lm_best=a["lm_best"][0], a_total=a["__total"][0],

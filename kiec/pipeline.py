@@ -46,7 +46,7 @@ def schedule_steps(spec: ModelSpec, multiprocessors: int | None = None, options=
     options = options or CompileOptions()
     return [
         ("fuse", lambda g: fuse(g, spec.config)),                                     # ops -> stages
-        ("schedule", lambda s: schedule(s, target, multiprocessors, spec.max_seq_len, options)),  # tiles, ring
+        ("schedule", lambda s: schedule(s, target, multiprocessors, spec.max_seq_len, options, spec.gpus)),  # tiles
         ("memplan", lambda s: memplan(s, spec.config, spec.max_seq_len, spec.dtype)),  # offsets of everything
         ("prefill", lambda s: prefill(s, target, options.prefill_chunk)),           # the prompt path's plan
     ]
@@ -66,12 +66,8 @@ def build_schedule(spec: ModelSpec, multiprocessors: int | None = None, dump: Pa
 def render_sources(spec: ModelSpec, multiprocessors: int | None = None, dump: Path | None = None, options=None):
     """(graph, schedule, files, module name): everything before the compiler."""
     from .codegen import render
-    from .errors import KiecError
     from .targets import get_target
     from .toolchain import source_key
-    if spec.gpus > 1:
-        raise KiecError("gpus", spec.gpus, "1: the kernel runs every lane on one GPU for now",
-                        "the multi-GPU launch (one lane per GPU, peer-mapped inboxes) is not built yet")
     target = get_target(spec.target)
     graph, sched = build_schedule(spec, multiprocessors, dump, options)
     files = render(sched, target, "kiec_model")

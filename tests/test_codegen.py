@@ -37,7 +37,11 @@ SHAPES = {
                                       num_key_value_heads=4, intermediate_size=512, vocab_size=512, num_lanes=4,
                                       sliding_window=16, sliding_window_n_layers=2),
 }
-SPEC_CHANGES = {"tiny-llama-lanes2": {"lanes": 2}}       # the lane exchange in the kernel
+SHAPES["tiny-llama-gpus2"] = SHAPES["tiny-llama-lanes2"]
+SHAPES["laneformer-gpus4-past2"] = SHAPES["laneformer-lanes4-past2"]
+# the lane exchange in the kernel, on one GPU and one lane per GPU
+SPEC_CHANGES = {"tiny-llama-lanes2": {"lanes": 2}, "tiny-llama-gpus2": {"lanes": 2, "gpus": 2},
+                "laneformer-gpus4-past2": {"gpus": 4}}
 COMPILERS = {"cuda:sm_90": "nvcc", "hip:gfx942": "clang++-19"}
 
 
@@ -87,8 +91,31 @@ def test_each_target_gets_its_own_portability_section(tmp_path):
     assert "__builtin_amdgcn" in amd and "#define KIEC_WARP 64" in amd and "cp.async" not in amd
 
 
-def test_one_lane_per_gpu_is_refused_until_the_multi_gpu_launch_exists(tmp_path):
+def test_one_lane_per_gpu_plans_one_device_per_lane(tmp_path):
+    """Across GPUs each device holds the shared weights and one lane's, all of its own SMs; the last
+    residual is mirrored to every device (the LM head there takes a slice of the vocabulary)."""
+    spec = _spec(tmp_path, "laneformer-gpus4-past2")
+    _, sched, files, _ = render_sources(spec, multiprocessors=33)
+    _, one_gpu, _, _ = render_sources(spec.replace(gpus=1), multiprocessors=132)
+    grid = sched.grid
+    assert (grid.devices, grid.lanes, grid.blocks_per_lane, grid.launch_blocks, grid.blocks) == (4, 4, 33, 33, 132)
+    w, a, kv, sy = (sched.memory[k] for k in ("weights", "acts", "kv", "sync"))
+    assert w["__total"] == one_gpu.memory["weights"]["__total"]                 # one blob, packed whole
+    assert w["__device_total"][0] == w["__lanes_base"][0] + w["__lane_stride"][0]
+    assert kv["__total"][0] == kv["__lane_stride"][0]                           # one lane's cache a device
+    assert a["logits"][0] == a["__lane_stride"][0]                              # shared acts after one lane's
+    assert a["h_mirror"][1] == 4 * 4 * spec.config.hidden and sy["h_mirror"][1] == 4 * 128
+    assert one_gpu.memory["kv"]["__total"][0] == 4 * kv["__total"][0] and "h_mirror" not in one_gpu.memory["acts"]
+    kernel = files["kernel.hip"]
+    assert "constexpr uint32_t DEVICES = 4;" in kernel and "constexpr uint32_t LANES_HERE = LANES / DEVICES;" in kernel
+    last_down = [s for s in sched.stages if s.kind == "down"][-1]
+    from kiec.codegen import _stage_entry, senders, trace_layout
+    trace, _ = trace_layout(sched)
+    flags = {s.index: _stage_entry(sched, s, trace, s.index in senders(sched))["flags"] for s in sched.stages}
+    assert [i for i, f in flags.items() if f & 64] == [last_down.index]
+
+
+def test_gpus_must_be_one_or_the_lane_count(tmp_path):
     from kiec.errors import KiecError
-    spec = _spec(tmp_path, "tiny-llama").replace(lanes=2, gpus=2)
-    with pytest.raises(KiecError, match="gpus: got 2; expected 1: the kernel runs every lane on one GPU for now"):
-        render_sources(spec)
+    with pytest.raises(KiecError, match="gpus: got 3; expected 1 or the lane count"):
+        _spec(tmp_path, "tiny-llama").replace(lanes=2, gpus=3)

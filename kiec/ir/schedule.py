@@ -84,17 +84,27 @@ class Stage:
 
 @dataclass(frozen=True)
 class Grid:
-    blocks: int                     # persistent blocks (one per multiprocessor)
+    blocks: int                     # persistent blocks of every device together (one per multiprocessor)
     lanes: int
     consumer_warps: int
     warp_size: int
     slot_bytes: int
     slots: int
     scratch_bytes: int
+    devices: int = 1                # 1: every lane on one GPU; else one lane per GPU
 
     @property
     def blocks_per_lane(self) -> int:
         return self.blocks // self.lanes
+
+    @property
+    def lanes_per_device(self) -> int:
+        return self.lanes // self.devices
+
+    @property
+    def launch_blocks(self) -> int:
+        """The blocks of one device's launch."""
+        return self.blocks // self.devices
 
     @property
     def threads(self) -> int:

@@ -16,6 +16,11 @@ lanes x D floats where its peers store their partials, and one line of per-sende
 (slot, sublayer, tile) (`peer_flags`, sync). Exchange g (step x layers + layer) uses slot
 g % exchange_slots: 2 for exact TP, 2d + 2 with past(d), so a slot is rewritten only after
 every lane has read it (a lane reads exchange g at the latest d layers later).
+Across GPUs (one lane per device) each device holds the shared parts and one lane's: the
+`acts`, `kv` and `sync` totals are one device's, the weight blob is packed whole (`__total`)
+and each device takes the shared part plus its lane's region (`__device_total` bytes). A
+device also keeps `h_mirror` (acts, [lane][D]) and one `h_mirror` line per lane (sync):
+every lane's last residual, which the LM head's vocabulary slice on each device reads.
 The plan is plain data: the kernel's constants and the host's uploads both come from it.
 """
 from __future__ import annotations
@@ -42,6 +47,7 @@ class _Region:
 
 def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Schedule:
     lanes = sched.lanes
+    here = sched.grid.lanes_per_device          # lanes whose buffers one device holds
     esize = 2
     hd = cfg.head_dim
     d_embed = -(-cfg.hidden // 8) * 8
@@ -93,6 +99,7 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     weights["__lanes_base"] = (lanes_base, 0)
     weights["__lane_stride"] = (lane.size, 0)
     weights["__total"] = (lanes_base + lanes * lane.size, 0)
+    weights["__device_total"] = (lanes_base + here * lane.size, 0)
     # lane-relative gemv offsets become absolute for lane 0
     for i, s in enumerate(stages):
         if s.gemv is not None and s.kind != "lm_head":
@@ -117,9 +124,11 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     shared_acts = _Region()
     shared_acts.add("logits", 4 * cfg.vocab)
     shared_acts.add("lm_best", 8 * stages[lm.index].tiles)
+    if sched.grid.devices > 1:
+        shared_acts.add("h_mirror", 4 * lanes * cfg.hidden)
     acts = {"lane." + k: v for k, v in lane_acts.entries.items()}
     acts["__lane_stride"] = (lane_acts.size, 0)
-    base = lanes * lane_acts.size
+    base = here * lane_acts.size
     acts.update({k: (base + o, n) for k, (o, n) in shared_acts.entries.items()})
     acts["__total"] = (base + shared_acts.size, 0)
 
@@ -127,12 +136,14 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     per_layer = att.attr("kv_heads") * max_seq_len * hd * esize
     kv = {"k": (0, cfg.layers * per_layer), "v": (cfg.layers * per_layer, cfg.layers * per_layer),
           "__layer_stride": (per_layer, 0), "__lane_stride": (2 * cfg.layers * per_layer, 0),
-          "__total": (lanes * 2 * cfg.layers * per_layer, 0)}
+          "__total": (here * 2 * cfg.layers * per_layer, 0)}
 
     # --- counters and flags, one 128-byte line each ---
     sync = _Region(align=LINE)
     for name in ("abort", "error", "select", "lm_ticket"):
         sync.add(name, LINE)
+    if sched.grid.devices > 1:
+        sync.add("h_mirror", LINE * lanes)
     lane_sync = _Region(align=LINE)
     for s in stages:
         if s.kind not in ("qkv", "lm_head"):     # qkv signals per KV group; the LM head selects
@@ -148,7 +159,7 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     sync_map = dict(sync.entries)
     sync_map.update({"lane." + k: (sync.size + o, n) for k, (o, n) in lane_sync.entries.items()})
     sync_map["__lane_stride"] = (lane_sync.size, 0)
-    sync_map["__total"] = (sync.size + lanes * lane_sync.size, 0)
+    sync_map["__total"] = (sync.size + here * lane_sync.size, 0)
 
     memory = {"weights": weights, "acts": acts, "kv": kv, "sync": sync_map}
     config = dict(sched.config, max_seq_len=max_seq_len, dtype=dtype, exchange_slots=slots,

@@ -1,9 +1,11 @@
 """schedule: place every stage's tiles on the persistent grid and size the weight ring.
 
-Needs: fused stages (after `fuse`), the target and the device's multiprocessor count.
+Needs: fused stages (after `fuse`), the target, the device's multiprocessor count and
+the devices the lanes run on (1, or one per lane).
 Guarantees:
-- the grid is one block per multiprocessor, split evenly over the lanes (a lane's
-  stages run on its own blocks; the LM head runs on the whole grid);
+- the grid is one block per multiprocessor, split evenly over the lanes on one device,
+  or every multiprocessor of each lane's own device (a lane's stages run on its own
+  blocks; the LM head runs on the blocks of every lane, each taking a slice of the vocabulary);
 - a GEMV stage's rows are cut into contiguous tiles of `rows_per_tile` rows (even
   where rows come in pairs: RoPE pairs, gate/up pairs), at most one tile per block
   of the lane, so a stage finishes in one pass over the grid;
@@ -32,9 +34,11 @@ BARRIER_BYTES = 1024     # mbarriers and block-local flags
 
 
 def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None, max_seq_len: int = 4096,
-             options: CompileOptions = CompileOptions()) -> Schedule:
+             options: CompileOptions = CompileOptions(), devices: int = 1) -> Schedule:
     lanes = sched.lanes
-    blocks = multiprocessors or target.multiprocessors
+    if devices not in (1, lanes):
+        raise KiecError("gpus", devices, f"1 or the lane count ({lanes})")
+    blocks = (multiprocessors or target.multiprocessors) * (lanes if devices > 1 else 1)
     blocks -= blocks % lanes
     if blocks < lanes:
         raise KiecError("lanes", lanes, f"at most the device's {blocks} multiprocessors")
@@ -82,7 +86,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
         if s.gemv is not None and s.gemv.unit_bytes > slot_bytes:
             raise KiecError("ir", s.name, f"units of at most {slot_bytes} bytes")
     grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
-                slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch)
+                slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices)
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
 

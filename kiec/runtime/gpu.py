@@ -45,6 +45,17 @@ def device_multiprocessors(device: int = 0) -> int | None:
         return None
 
 
+def lane_devices(spec: ModelSpec, device: int = 0, devices=None) -> list:
+    """The device of each launch: [device] when every lane runs on one GPU; with `gpus` > 1, one per
+    lane (0, 1, ... unless given; a device may repeat, and those lanes then share it)."""
+    if devices is None:
+        return [device] if spec.gpus == 1 else list(range(spec.gpus))
+    devices = list(devices)
+    if len(devices) != spec.gpus or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in devices):
+        raise KiecError("devices", devices, f"{spec.gpus} device id(s), one per launch (the model's gpus)")
+    return devices
+
+
 class CompiledModel:
     """A model's schedule, sources and built module (one build per source hash)."""
 
@@ -79,14 +90,17 @@ class GpuBackend:
 
     def __init__(self, spec: ModelSpec, device: int = 0, quiet: bool = False, progress=None,
                  timeout_s: float = 5.0, checkpoint=None, compiled: CompiledModel | None = None,
-                 prefill: bool = True):
+                 prefill: bool = True, devices=None):
         from ..pack import pack_weights
         from ..weights import load_checkpoint, materialize
         self.spec, self.device, self.timeout_s = spec, device, timeout_s
-        sms = device_multiprocessors(device)
-        self.compiled = compiled or CompiledModel(spec, sms, quiet=quiet)
+        self.devices = lane_devices(spec, device, devices)
+        # lanes sharing one GPU (a multi-GPU build tried on one) split its multiprocessors
+        sharing = max(self.devices.count(d) for d in self.devices)
+        sms = device_multiprocessors(self.devices[0])
+        self.compiled = compiled or CompiledModel(spec, sms // sharing if sms else None, quiet=quiet)
         self.sched = self.compiled.sched
-        self.kernel = self.compiled.module.Kernel(device)
+        self.kernel = self.compiled.module.Kernel(self.devices)
         ckpt = checkpoint or load_checkpoint(spec)
         arrays = {t.name: materialize(ckpt, t) for t in self.compiled.graph.weights()}
         blob = pack_weights(self.sched, arrays, spec.config, spec.max_seq_len, spec.dtype, progress)
