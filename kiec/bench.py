@@ -1,18 +1,20 @@
 """`kiec bench MODEL`: kiec's decode speed against the floor and its peers, in one run on one GPU.
 
     kiec bench llama-3.2-1b [--contexts 128,8192] [--steps 128] [--no-peers] [--hf] [--json out.json]
-    kiec bench llama-3.2-1b --lanes 1,2,4,8 [--dtp-delay 2] --no-peers
+    kiec bench llama-3.2-1b --lanes 1,2,4,8 [--dtp-delay 2] [--placement one-launch,shared,spread] --no-compile
     kiec bench llama-3.2-1b --prompts 512,2048,8192     (time to first token; --no-prefill leaves it out)
 
 One run measures, in order: the device's read bandwidth (kiec's own 16-byte grid-stride read,
 kiec.probe); kiec's ms/token at each context, one launch per step and one launch per sequence
 (the kernel's own event time); the torch peers on the same weights (plain ops in one CUDA graph,
 and torch.compile then one CUDA graph; CUDA events between replays); and, with --hf,
-transformers' `generate`. With --lanes, kiec again at each lane count, every lane on this one GPU
-(its own blocks, weights, KV cache and inbox): exact tensor parallelism, and past(d) with
---dtp-delay (a laneformer runs its own modes), with the bytes each lane sends per token. The
-NCCL all-reduce baseline needs one GPU per lane, so it is not run on one GPU. The floor of a context is its bytes per token (kiec.inspect) over the
-best read of this same run. MODEL is anything `kiec run` takes, or a synthetic preset
+transformers' `generate`. With --lanes, kiec again at each lane count (each lane its own blocks, weights, KV cache and
+inbox): exact tensor parallelism, and past(d) with --dtp-delay (a laneformer runs its own modes),
+with the bytes each lane sends per token, placed as --placement says: `one-launch`, every lane in
+one grid on this GPU; `shared`, one launch per lane (the multi-GPU build) all on GPU 0; `spread`,
+lane i on GPU i. With the peers, the NCCL baseline too (kiec.baselines.torch_tp: the torch step
+sharded over L processes, all-reduce between kernels, one CUDA graph), where L GPUs are present.
+The floor of a context is its bytes per token (kiec.inspect) over the best read of this same run. MODEL is anything `kiec run` takes, or a synthetic preset
 (kiec.synthetic.PRESETS): random weights at real shapes, made in memory.
 Everything GPU-side is imported when it runs, so `--help` and the argument checks work anywhere.
 """
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_report import format_table, summarize
+from .bench_report import PLACEMENTS, format_table, summarize
 from .errors import KiecError, nearest
 
 
@@ -38,8 +40,9 @@ class BenchOptions:
     compile_peer: bool = True  # torch.compile autotunes for minutes: --no-compile leaves that peer out
     hf: bool = False
     seed: int = 0             # the random weights of a preset, and the tokens fed
-    lanes: tuple = ()         # lane counts to time on this GPU (exact TP, and past(dtp_delay))
+    lanes: tuple = ()         # lane counts to time (exact TP, and past(dtp_delay))
     dtp_delay: int | None = None
+    placements: tuple = ("one-launch",)   # where the lanes run (PLACEMENTS)
     prompts: tuple = (512, 2048, 8192)    # prompt lengths to time to first token; () leaves prefill out
 
     def __post_init__(self):
@@ -49,6 +52,8 @@ class BenchOptions:
             raise KiecError("--steps", self.steps, "an integer of at least 2")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lanes):
             raise KiecError("--lanes", self.lanes, "positive lane counts, e.g. 1,2,4,8")
+        if not self.placements or any(p not in PLACEMENTS for p in self.placements):
+            raise KiecError("--placement", ",".join(self.placements), "a comma-separated choice of " + ", ".join(PLACEMENTS))
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.prompts):
             raise KiecError("--prompts", self.prompts, "prompt lengths of at least 2 tokens, e.g. 512,2048,8192")
 
@@ -97,8 +102,10 @@ class BenchModel:
         if options.peers and self.spec.config.arch == "laneformer":
             raise KiecError("model", model, "a llama, qwen2 or mistral model for the torch peers",
                             "pass --no-peers to time kiec alone")
-        self.lane_specs = [(n, mode, self.spec.replace(lanes=n, dtp_delay=delay))      # checked now, not after timing
-                           for n in options.lanes for mode, delay in self._lane_modes(n)]
+        self.lane_specs = [(n, mode, placement, self.spec.replace(lanes=n, dtp_delay=delay,   # checked now,
+                                                                  gpus=1 if placement == "one-launch" else n))  # not after timing
+                           for n in options.lanes for mode, delay in self._lane_modes(n)
+                           for placement in (options.placements if n > 1 else ("one-launch",))]
 
     def _lane_modes(self, lanes: int) -> list:
         """(row name, dtp_delay) per lane count: a laneformer's own modes; exact TP and past(d) otherwise."""
@@ -217,32 +224,80 @@ def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None
         raw["contexts"].append({"context": context, "bytes_per_token": bytes_per_token(spec, context),
                                 "measured": measured[context]})
     raw["lanes"] = time_lanes(model, checkpoint, options, rng, log)
+    raw["nccl"] = time_nccl(model, options, log) if options.lanes and options.peers else []
     return raw
 
 
 def exchange_bytes_per_lane(sched) -> int:
-    """Bytes one lane stores into its peers' inboxes per token: a full-width fp32 partial per peer for
-    every sublayer it sends (codegen.senders)."""
+    """Bytes one lane stores into its peers' memory per token: a full-width fp32 partial per peer for
+    every sublayer it sends (codegen.senders); across devices also its last residual, mirrored to
+    every other device for the LM head."""
     from .codegen import senders
-    return len(senders(sched)) * sched.config["hidden"] * 4 * (sched.lanes - 1)
+    mirrored = 1 if sched.grid.devices > 1 else 0
+    return (len(senders(sched)) + mirrored) * sched.config["hidden"] * 4 * (sched.lanes - 1)
 
 
 def time_lanes(model: BenchModel, checkpoint, options: BenchOptions, rng, log) -> list:
-    """One row per (lane count, mode, context): kiec's ms/token with every lane on this GPU."""
-    from .runtime.gpu import GpuBackend
+    """One row per (lane count, mode, placement, context): kiec's ms/token; a placement that needs
+    more GPUs than this machine has is a row that says so."""
+    from .runtime.gpu import GpuBackend, gpu_count
+    runnable = [(lanes, mode, placement, spec, placement_devices(placement, lanes))
+                for lanes, mode, placement, spec in model.lane_specs
+                if placement != "spread" or gpu_count() >= lanes]
+    builds = build_all([(spec, devices) for *_, spec, devices in runnable], log)
     rows = []
-    for lanes, mode, spec in model.lane_specs:
-        log(f"kiec with {lanes} lane(s), {mode}: build and upload")
-        backend = GpuBackend(spec, checkpoint=checkpoint, quiet=True)
+    for lanes, mode, placement, spec in model.lane_specs:
+        head = {"lanes": lanes, "mode": mode, "placement": placement}
+        if placement == "spread" and gpu_count() < lanes:
+            rows += [dict(head, context=c, not_run=f"needs {lanes} GPUs, this machine has {gpu_count()}")
+                     for c in options.contexts]
+            continue
+        devices = placement_devices(placement, lanes)
+        log(f"kiec with {lanes} lane(s), {mode}, {placement}: upload")
+        backend = GpuBackend(spec, checkpoint=checkpoint, quiet=True, devices=devices, compiled=builds[id(spec)])
         for context in options.contexts:
-            log(f"kiec with {lanes} lane(s), {mode}, at context {context}")
+            log(f"kiec with {lanes} lane(s), {mode}, {placement}, at context {context}")
             timed = time_kiec(backend, context, options.steps, rng)
-            rows.append({"lanes": lanes, "mode": mode, "context": context,
-                         "blocks": backend.sched.grid.blocks,
-                         "ms_per_token": timed["kiec per-sequence"]["ms_per_token"],
-                         "ms_per_token_per_step": timed["kiec per-step"]["ms_per_token"],
-                         "exchange_bytes_per_lane": exchange_bytes_per_lane(backend.sched)})
+            rows.append(dict(head, context=context, blocks=backend.sched.grid.blocks,
+                             ms_per_token=timed["kiec per-sequence"]["ms_per_token"],
+                             ms_per_token_per_step=timed["kiec per-step"]["ms_per_token"],
+                             exchange_bytes_per_lane=exchange_bytes_per_lane(backend.sched)))
         del backend
+    return rows
+
+
+def placement_devices(placement: str, lanes: int) -> list:
+    return {"one-launch": [0], "shared": [0] * lanes, "spread": list(range(lanes))}[placement]
+
+
+def build_all(jobs, log) -> dict:
+    """id(spec) -> CompiledModel for every (spec, devices), built side by side (nvcc is single-threaded)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+    from .runtime.gpu import CompiledModel, lane_multiprocessors
+    if not jobs:
+        return {}
+    log(f"kiec: building {len(jobs)} lane variant(s) side by side")
+    with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+        futures = {id(spec): pool.submit(CompiledModel, spec, lane_multiprocessors(devices), None, True)
+                   for spec, devices in jobs}
+        return {key: future.result() for key, future in futures.items()}
+
+
+def time_nccl(model: BenchModel, options: BenchOptions, log) -> list:
+    """The NCCL baseline (kiec.baselines.torch_tp) at each lane count of --lanes that this machine's
+    GPUs allow: one row per (lane count, context); the others are rows that say what they need."""
+    from .baselines.torch_tp import run_ranks, timed_decode
+    from .runtime.gpu import gpu_count
+    rows = []
+    for lanes in options.lanes:
+        if lanes > gpu_count():
+            rows += [{"lanes": lanes, "context": c, "not_run": f"needs {lanes} GPUs, this machine has {gpu_count()}"}
+                     for c in options.contexts]
+            continue
+        log(f"NCCL baseline over {lanes} GPU(s)")
+        timed = run_ranks(timed_decode, lanes, model, options.contexts, options.steps)
+        rows += [{"lanes": lanes, "context": c, "ms_per_token": timed[c]["ms_per_token"]} for c in options.contexts]
     return rows
 
 
@@ -283,8 +338,11 @@ def register_bench(sub) -> None:
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer (it autotunes for minutes)")
     p.add_argument("--hf", action="store_true", help="also time transformers' generate (slow)")
     p.add_argument("--seed", type=int, default=d.seed, help="a preset's random weights and the tokens fed")
-    p.add_argument("--lanes", default="", help="also time kiec at these lane counts, every lane on this GPU "
-                                                "(comma-separated, e.g. 1,2,4,8)")
+    p.add_argument("--lanes", default="", help="also time kiec at these lane counts (comma-separated, e.g. 1,2,4,8), "
+                                                "and with the peers the NCCL baseline")
+    p.add_argument("--placement", default=",".join(d.placements),
+                   help="with --lanes, where they run, comma-separated: " +
+                        "; ".join(f"{k}: {v}" for k, v in PLACEMENTS.items()) + " (default: %(default)s)")
     p.add_argument("--dtp-delay", type=int, default=None,
                    help="with --lanes: also time Delayed Tensor Parallelism past(D) (an approximation of the model)")
     p.add_argument("--prompts", default=",".join(map(str, d.prompts)),
@@ -300,7 +358,7 @@ def cmd_bench(args) -> int:
     options = BenchOptions(contexts=parse_counts(args.contexts), steps=args.steps, peers=not args.no_peers,
                            compile_peer=not args.no_compile, hf=args.hf, seed=args.seed,
                            lanes=parse_counts(args.lanes, "--lanes", "1,2,4,8") if args.lanes else (),
-                           dtp_delay=args.dtp_delay,
+                           dtp_delay=args.dtp_delay, placements=tuple(args.placement.split(",")),
                            prompts=() if args.no_prefill else parse_counts(args.prompts, "--prompts", "512,2048,8192"))
     if args.json is not None and not args.json.parent.is_dir():     # found now, not after minutes of timing
         raise KiecError("--json", str(args.json), "a file in an existing folder")

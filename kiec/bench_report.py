@@ -9,6 +9,9 @@ from __future__ import annotations
 ROWS = ("kiec per-step", "kiec per-sequence", "torch graph", "torch.compile graph", "HF generate")
 PEERS = ROWS[2:]
 FLOOR_BANDWIDTH = "best_bps"      # the floor is what the device's best streaming read allows
+PLACEMENTS = {"one-launch": "every lane in one grid on this GPU",
+              "shared": "one launch per lane (the multi-GPU build), all on GPU 0",
+              "spread": "one launch per lane, lane i on GPU i"}
 
 
 def summarize(raw: dict) -> dict:
@@ -29,13 +32,20 @@ def summarize(raw: dict) -> dict:
                          "speedup": {p: measured[p]["ms_per_token"] / ms for p in peers if p != name}})
         contexts.append(dict(ctx, floor_ms=floor_ms, rows=rows))
     floors = {c["context"]: c["floor_ms"] for c in contexts}
-    lanes = [dict(row, tok_s=1e3 / row["ms_per_token"], floor_share=floors[row["context"]] / row["ms_per_token"])
-             for row in raw.get("lanes", [])]
+    timed = lambda row: row if "not_run" in row else dict(        # noqa: E731
+        row, tok_s=1e3 / row["ms_per_token"], floor_share=floors[row["context"]] / row["ms_per_token"])
+    lanes = [timed(row) for row in raw.get("lanes", [])]
+    nccl = {(r["lanes"], r["context"]): r for r in map(timed, raw.get("nccl", []))}
+    for row in lanes:                 # kiec's lanes against the NCCL baseline at the same lane count
+        base = nccl.get((row["lanes"], row["context"]), {})
+        if "ms_per_token" in row and "ms_per_token" in base:
+            row["speedup_vs_nccl"] = base["ms_per_token"] / row["ms_per_token"]
     prefill = raw.get("prefill")
     if prefill and "kiec" in prefill:
         from .bench_prefill import summarize_prefill
         prefill = summarize_prefill(prefill)
-    return dict(raw, floor_bandwidth=FLOOR_BANDWIDTH, contexts=contexts, lanes=lanes, prefill=prefill)
+    return dict(raw, floor_bandwidth=FLOOR_BANDWIDTH, contexts=contexts, lanes=lanes, nccl=list(nccl.values()),
+                prefill=prefill)
 
 
 NAME, NUM, PCT = 22, 11, 9
@@ -64,14 +74,26 @@ def format_table(summary: dict) -> str:
                          f"{100 * row['floor_share']:>{PCT - 1}.1f}%"
                          + "".join(f"  {cell:>{len(c)}}" for cell, c in zip(cells, columns)))
     if summary.get("lanes"):
-        lines += ["", "lanes on this one GPU (each lane its own blocks, weights, KV cache and inbox; one launch a sequence)",
-                  f"{'lanes':>5}  {'mode':<22}{'context':>8}{'blocks':>7}{'ms/token':>{NUM}}{'tok/s':>{NUM}}"
-                  f"{'% floor':>{PCT}}{'sent/lane/token':>17}"]
+        lines += ["", "lanes (each its own blocks, weights, KV cache and inbox; one launch a sequence); placements: "
+                  + "; ".join(f"{k}: {v}" for k, v in PLACEMENTS.items()),
+                  f"{'lanes':>5}  {'mode':<22}{'placement':<12}{'context':>8}{'blocks':>7}{'ms/token':>{NUM}}"
+                  f"{'tok/s':>{NUM}}{'% floor':>{PCT}}{'sent/lane/token':>17}{'vs NCCL':>9}"]
         for row in summary["lanes"]:
-            lines.append(f"{row['lanes']:>5}  {row['mode']:<22}{row['context']:>8}{row['blocks']:>7}"
-                         f"{row['ms_per_token']:>{NUM}.4f}{row['tok_s']:>{NUM}.1f}{100 * row['floor_share']:>{PCT - 1}.1f}%"
-                         f"{row['exchange_bytes_per_lane'] / 1e3:>13.1f} kB")
-        lines.append("NCCL all-reduce baseline: needs one GPU per lane; not run on one GPU")
+            head = f"{row['lanes']:>5}  {row['mode']:<22}{row['placement']:<12}{row['context']:>8}"
+            if "not_run" in row:
+                lines.append(f"{head}  not run: {row['not_run']}")
+                continue
+            vs = f"{row['speedup_vs_nccl']:.2f}x" if "speedup_vs_nccl" in row else "-"
+            lines.append(f"{head}{row['blocks']:>7}{row['ms_per_token']:>{NUM}.4f}{row['tok_s']:>{NUM}.1f}"
+                         f"{100 * row['floor_share']:>{PCT - 1}.1f}%{row['exchange_bytes_per_lane'] / 1e3:>13.1f} kB"
+                         f"{vs:>9}")
+    if summary.get("nccl"):
+        lines += ["", "NCCL baseline (torch step sharded over L GPUs, all-reduce between kernels, one CUDA graph)",
+                  f"{'lanes':>5}{'context':>8}{'ms/token':>{NUM}}{'tok/s':>{NUM}}{'% floor':>{PCT}}"]
+        for row in summary["nccl"]:
+            head = f"{row['lanes']:>5}{row['context']:>8}"
+            lines.append(f"{head}  not run: {row['not_run']}" if "not_run" in row else
+                         f"{head}{row['ms_per_token']:>{NUM}.4f}{row['tok_s']:>{NUM}.1f}{100 * row['floor_share']:>{PCT - 1}.1f}%")
     prefill = summary.get("prefill")
     if prefill and "rows" in prefill:
         from .bench_prefill import format_prefill

@@ -76,18 +76,28 @@ def test_table_without_peers():
     assert not any(l.startswith(p) for p in PEERS for l in table.splitlines())
 
 
-def test_lane_rows_share_and_table():
+def test_lane_rows_share_speedup_and_table():
     raw = _raw()
-    raw["lanes"] = [{"lanes": 1, "mode": "exact TP", "context": 128, "blocks": 132, "ms_per_token": 0.625,
-                     "ms_per_token_per_step": 0.7, "exchange_bytes_per_lane": 0},
-                    {"lanes": 8, "mode": "DTP past(2)", "context": 128, "blocks": 128, "ms_per_token": 1.0,
-                     "ms_per_token_per_step": 1.1, "exchange_bytes_per_lane": 917504}]
+    raw["lanes"] = [{"lanes": 1, "mode": "exact TP", "placement": "one-launch", "context": 128, "blocks": 132,
+                     "ms_per_token": 0.625, "ms_per_token_per_step": 0.7, "exchange_bytes_per_lane": 0},
+                    {"lanes": 8, "mode": "DTP past(2)", "placement": "shared", "context": 128, "blocks": 128,
+                     "ms_per_token": 1.0, "ms_per_token_per_step": 1.1, "exchange_bytes_per_lane": 917504},
+                    {"lanes": 8, "mode": "DTP past(2)", "placement": "spread", "context": 128,
+                     "not_run": "needs 8 GPUs, this machine has 1"}]
+    raw["nccl"] = [{"lanes": 1, "context": 128, "ms_per_token": 1.25},
+                   {"lanes": 8, "context": 128, "not_run": "needs 8 GPUs, this machine has 1"}]
     summary = summarize(raw)
-    assert [r["floor_share"] for r in summary["lanes"]] == pytest.approx([0.8, 0.5])
-    table = format_table(summary)
-    row = next(l for l in table.splitlines() if "DTP past(2)" in l).split()
-    assert row == ["8", "DTP", "past(2)", "128", "128", "1.0000", "1000.0", "50.0%", "917.5", "kB"]
-    assert table.splitlines()[-1] == "NCCL all-reduce baseline: needs one GPU per lane; not run on one GPU"
+    assert [r.get("floor_share") for r in summary["lanes"]] == pytest.approx([0.8, 0.5, None])
+    assert summary["lanes"][0]["speedup_vs_nccl"] == pytest.approx(2.0)
+    assert "speedup_vs_nccl" not in summary["lanes"][1]          # no baseline at 8 lanes on this machine
+    assert summary["nccl"][0]["floor_share"] == pytest.approx(0.4)
+    table = format_table(summary).splitlines()
+    row = next(l for l in table if "DTP past(2)" in l and "shared" in l).split()
+    assert row == ["8", "DTP", "past(2)", "shared", "128", "128", "1.0000", "1000.0", "50.0%", "917.5", "kB", "-"]
+    assert next(l for l in table if "one-launch" in l and "exact TP" in l).split()[-1] == "2.00x"
+    assert next(l for l in table if "spread" in l and "past" in l).endswith("not run: needs 8 GPUs, this machine has 1")
+    assert table[-2].split() == ["1", "128", "1.2500", "800.0", "40.0%"]
+    assert table[-1].split()[:4] == ["8", "128", "not", "run:"]
 
 
 def test_prefill_floor_share_speedup_and_table():
@@ -113,17 +123,32 @@ def test_prefill_floor_share_speedup_and_table():
     assert "time to first token: not measured (2 lanes" in format_table(summarize(raw))
 
 
-def test_lane_modes_and_exchange_bytes(tmp_path):
+def test_lane_modes_placements_and_exchange_bytes(tmp_path):
     from kiec.bench import exchange_bytes_per_lane
     from kiec.pipeline import build_schedule
-    model = BenchModel("llama-3.2-1b", BenchOptions(contexts=(16,), steps=8, peers=False, lanes=(1, 8), dtp_delay=2),
-                       tmp_path)
-    rows = [(n, mode, spec.lanes, spec.dtp_delay) for n, mode, spec in model.lane_specs]
-    assert rows == [(1, "exact TP", 1, None), (8, "exact TP", 8, None), (8, "DTP past(2)", 8, 2)]
-    # exact: 16 layers x 2 sublayers x 2048 floats x 7 peers; past(2): the last 2 layers' partials are never read
-    for (_, _, spec), sends in zip(model.lane_specs[1:], (32, 28)):
-        assert exchange_bytes_per_lane(build_schedule(spec, 128)[1]) == sends * 2048 * 4 * 7
-    assert exchange_bytes_per_lane(build_schedule(model.lane_specs[0][2], 132)[1]) == 0
+    model = BenchModel("llama-3.2-1b", BenchOptions(contexts=(16,), steps=8, peers=False, lanes=(1, 8), dtp_delay=2,
+                                                    placements=("one-launch", "shared")), tmp_path)
+    rows = [(n, mode, placement, spec.lanes, spec.gpus, spec.dtp_delay) for n, mode, placement, spec in model.lane_specs]
+    assert rows == [(1, "exact TP", "one-launch", 1, 1, None),
+                    (8, "exact TP", "one-launch", 8, 1, None), (8, "exact TP", "shared", 8, 8, None),
+                    (8, "DTP past(2)", "one-launch", 8, 1, 2), (8, "DTP past(2)", "shared", 8, 8, 2)]
+    # exact: 16 layers x 2 sublayers x 2048 floats x 7 peers; past(2): the last 2 layers' partials are never
+    # read; across devices one more full-width row per peer: the last residual, mirrored for the LM head
+    for (_, _, _, spec), sends in zip(model.lane_specs[1:], (32, 33, 28, 29)):
+        assert exchange_bytes_per_lane(build_schedule(spec, 128 // spec.gpus)[1]) == sends * 2048 * 4 * 7
+    assert exchange_bytes_per_lane(build_schedule(model.lane_specs[0][3], 132)[1]) == 0
+
+
+def test_placements_that_need_more_gpus_are_rows_that_say_so(tmp_path, monkeypatch):
+    from kiec import bench
+    from kiec.runtime import gpu
+    monkeypatch.setattr(gpu, "gpu_count", lambda: 1)
+    options = BenchOptions(contexts=(16, 32), steps=8, lanes=(2,), placements=("spread",), prompts=())
+    model = BenchModel("tiny-llama", options, tmp_path)
+    rows = bench.time_lanes(model, None, options, None, lambda m: None)
+    assert [(r["lanes"], r["placement"], r["context"]) for r in rows] == [(2, "spread", 16), (2, "spread", 32)]
+    assert all(r["not_run"] == "needs 2 GPUs, this machine has 1" for r in rows)
+    assert [r["not_run"] for r in bench.time_nccl(model, options, lambda m: None)] == ["needs 2 GPUs, this machine has 1"] * 2
 
 
 def test_unknown_row_is_refused():
@@ -166,6 +191,8 @@ def test_without_a_gpu_one_error_line():
     (["laneformer-2b", "--contexts", "16"], "model: got 'laneformer-2b'; expected a llama, qwen2 or mistral model "
                                             "for the torch peers (pass --no-peers to time kiec alone)"),
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--lanes", "2,x"], "--lanes: got '2,x'; expected comma-separated integers"),
+    (["tiny-llama", "--contexts", "16", "--no-prefill", "--lanes", "2", "--placement", "one-launch,everywhere"],
+     "--placement: got 'one-launch,everywhere'; expected a comma-separated choice of one-launch, shared, spread"),
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--lanes", "0"], "--lanes: got (0,); expected positive lane counts"),
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--lanes", "3", "--no-peers"], "lanes: got 3; expected a divisor of"),
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--dtp-delay", "1"], "--dtp-delay: got 1; expected --lanes as well"),
@@ -205,7 +232,8 @@ def test_preset_folder_for_transformers_has_the_benchmarked_weights(tmp_path):
 def test_bench_run_on_a_tiny_model(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "tiny-llama", "--contexts", "16,256", "--steps", "16", "--hf", "--json", str(out),
-                 "--lanes", "1,2", "--dtp-delay", "1", "--prompts", "64,300", "--quiet"]) == 0
+                 "--lanes", "1,2", "--dtp-delay", "1", "--placement", "one-launch,shared", "--prompts", "64,300",
+                 "--quiet"]) == 0
     table = capsys.readouterr().out
     summary = json.loads(out.read_text())
     assert summary["bandwidth"]["best_bps"] > 1e12              # any HBM GPU reads over 1 TB/s
@@ -217,10 +245,15 @@ def test_bench_run_on_a_tiny_model(tmp_path, capsys):
             assert 0 < row["floor_share"] < 1, row                # ~100 kB of weights: launch latency dominates
         assert f"context {ctx['context']}:" in table
     assert summary["contexts"][1]["bytes_per_token"]["kv_cache"] > summary["contexts"][0]["bytes_per_token"]["kv_cache"]
-    lanes = [(r["lanes"], r["mode"], r["context"]) for r in summary["lanes"]]
-    assert lanes == [(1, "exact TP", 16), (1, "exact TP", 256), (2, "exact TP", 16), (2, "exact TP", 256),
-                     (2, "DTP past(1)", 16), (2, "DTP past(1)", 256)]
+    lanes = [(r["lanes"], r["mode"], r["placement"], r["context"]) for r in summary["lanes"]]
+    assert lanes == [(1, "exact TP", "one-launch", c) for c in (16, 256)] + [
+        (2, mode, placement, c) for mode in ("exact TP", "DTP past(1)") for placement in ("one-launch", "shared")
+        for c in (16, 256)]
     assert all(math.isfinite(r["ms_per_token"]) and r["ms_per_token"] > 0 for r in summary["lanes"])
+    nccl = {(r["lanes"], r["context"]): r for r in summary["nccl"]}          # the baseline where GPUs allow
+    assert all(nccl[(1, c)]["ms_per_token"] > 0 and ("not_run" in nccl[(2, c)] or nccl[(2, c)]["ms_per_token"] > 0)
+               for c in (16, 256))
+    assert "NCCL baseline" in table
     prefill = summary["prefill"]
     assert [r["tokens"] for r in prefill["rows"]] == [64, 300] and "time to first token" in table
     for r in prefill["rows"]:

@@ -215,8 +215,11 @@ def test_500_steps_twice_are_bitwise_identical(built):
 
 
 def test_a_timeout_is_an_error_naming_the_stage_then_the_kernel_recovers(built):
+    times_out_then_recovers(backend_of(built, "tiny-mistral"))
+
+
+def times_out_then_recovers(backend):
     from kiec.errors import DeviceError
-    backend = backend_of(built, "tiny-mistral")
     want = backend.teacher_forced([1, 2, 3, 4], 0)
     backend.timeout_s = 1e-9                       # every wait that has to wait at all now times out
     with pytest.raises(DeviceError, match=r"timed out in \w+(\[layer \d+\])?.*tile \d+, block \d+"):
@@ -226,7 +229,10 @@ def test_a_timeout_is_an_error_naming_the_stage_then_the_kernel_recovers(built):
 
 
 def test_one_launch_per_sequence_selects_what_one_launch_per_step_selects(built):
-    backend = backend_of(built, "qwen2.5-1.5b")
+    sequence_launch_selects_what_step_launches_select(backend_of(built, "qwen2.5-1.5b"))
+
+
+def sequence_launch_selects_what_step_launches_select(backend):
     prompt = [int(t) for t in np.random.default_rng().integers(1000, size=5)]
     device = list(backend.generate_on_device(prompt, 0, 24))
     logits = backend.forward(prompt, 0)

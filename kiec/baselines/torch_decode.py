@@ -109,10 +109,12 @@ class TorchDecoder(torch.nn.Module):
         self.final_eps = out["RMSNorm"].attr("eps")
         self.register_buffer("final_norm", load(out["RMSNorm"].inputs[1]), persistent=False)
         self.register_buffer("lm_head", load(out["LMHead"].inputs[1]), persistent=False)   # [V, D]
+        self.vocab = cfg.vocab
         inv_freq = torch.from_numpy(rope_inv_freq(cfg))     # float64, as the reference: angles stay exact at 8k+
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.cache_shape = (cfg.layers, cfg.kv_heads, 0, cfg.head_dim)
         self.device, self.dtype = torch.device(device), dtype
+        self.group = None          # a torch.distributed group once kiec.baselines.torch_tp shards this decoder
         self.resize_cache(max_seq)
 
     def resize_cache(self, max_seq: int) -> None:
@@ -134,13 +136,27 @@ class TorchDecoder(torch.nn.Module):
         angle = pos.to(torch.float64)[:, None] * self.inv_freq[None, :]     # [1, hd/2]
         cos, sin = angle.cos().float(), angle.sin().float()
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, _rms_norm(h, layer.attn_norm, layer.eps[0]), cos, sin, pos)
+            h = h + self._reduce(self._attention(i, layer, _rms_norm(h, layer.attn_norm, layer.eps[0]), cos, sin, pos))
             x = _rms_norm(h, layer.ffn_norm, layer.eps[1])
             gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+            h = h + self._reduce(F.linear(F.silu(gate) * up, layer.w_down))
         x = _rms_norm(h, self.final_norm, self.final_eps)
-        logits = F.linear(x, self.lm_head).float()[0]                      # [V]
+        logits = self._gather(F.linear(x, self.lm_head).float()[0])       # [V]
         return logits, logits.argmax(dim=-1, keepdim=True)
+
+    # Sharded (torch_tp): each rank holds a slice of every projection, so the partial outputs of o and
+    # down are summed across ranks and the vocabulary slices of the logits gathered. Unsharded: nothing.
+    def _reduce(self, partial):
+        if self.group is not None:
+            torch.distributed.all_reduce(partial, group=self.group)
+        return partial
+
+    def _gather(self, logits):
+        if self.group is None:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(torch.distributed.get_world_size(self.group))]
+        torch.distributed.all_gather(parts, logits, group=self.group)
+        return torch.cat(parts)[: self.vocab]
 
     def _attention(self, i: int, layer: DecoderLayer, x, cos, sin, pos):
         qkv = F.linear(x, layer.wqkv, layer.bqkv)[0]                       # [q + 2 kv]

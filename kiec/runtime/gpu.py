@@ -30,6 +30,14 @@ def gpu_available() -> bool:
     return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
 
+def gpu_count() -> int:
+    """GPUs nvidia-smi lists (0 without one)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
+
+
 def device_multiprocessors(device: int = 0) -> int | None:
     """The multiprocessor count, read through the CUDA driver's nvidia-smi-independent query."""
     try:
@@ -54,6 +62,13 @@ def lane_devices(spec: ModelSpec, device: int = 0, devices=None) -> list:
     if len(devices) != spec.gpus or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in devices):
         raise KiecError("devices", devices, f"{spec.gpus} device id(s), one per launch (the model's gpus)")
     return devices
+
+
+def lane_multiprocessors(devices) -> int | None:
+    """The multiprocessors one launch is compiled for: its device's, split between the launches that
+    share it (lanes of a multi-GPU build tried on one GPU)."""
+    sms = device_multiprocessors(devices[0])
+    return sms // max(devices.count(d) for d in devices) if sms else None
 
 
 class CompiledModel:
@@ -95,10 +110,7 @@ class GpuBackend:
         from ..weights import load_checkpoint, materialize
         self.spec, self.device, self.timeout_s = spec, device, timeout_s
         self.devices = lane_devices(spec, device, devices)
-        # lanes sharing one GPU (a multi-GPU build tried on one) split its multiprocessors
-        sharing = max(self.devices.count(d) for d in self.devices)
-        sms = device_multiprocessors(self.devices[0])
-        self.compiled = compiled or CompiledModel(spec, sms // sharing if sms else None, quiet=quiet)
+        self.compiled = compiled or CompiledModel(spec, lane_multiprocessors(self.devices), quiet=quiet)
         self.sched = self.compiled.sched
         self.kernel = self.compiled.module.Kernel(self.devices)
         ckpt = checkpoint or load_checkpoint(spec)
