@@ -9,10 +9,13 @@ Every test runs twice where it can:
 What is checked, at L = 2, 4, 8: exact TP logits against the one-launch lanes build and against
 transformers; a laneformer with past(2) against the numpy reference; one launch per sequence
 selecting what one launch per step selects; a timeout that is an error, after which the group
-recovers. Outputs are poisoned (NaN) before every run, inputs are fresh random tokens.
+recovers; and the multi-GPU run's golden model, a Laneformer-2B-like shape (15 layers, hidden 3072,
+vocab 65536, 2.3 B parameters) with past(2) at L = 8, against the numpy reference.
+Outputs are poisoned (NaN) before every run, inputs are fresh random tokens.
 """
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -21,7 +24,7 @@ import pytest
 from kiec.golden import logit_errors
 from kiec.model import load_spec
 from kiec.runtime.gpu import gpu_count
-from kiec.synthetic import write_random_model
+from kiec.synthetic import preset, random_checkpoint, write_random_model
 from test_gpu import (LANE_LLAMA, hf_logits, laneformer, sequence_launch_selects_what_step_launches_select,
                       times_out_then_recovers)
 
@@ -127,3 +130,25 @@ def test_a_device_that_does_not_exist_is_named(multi_built):
     with pytest.raises(KiecError, match="devices"):
         from kiec.runtime.gpu import GpuBackend
         GpuBackend(spec, compiled=compiled, quiet=True, devices=[0])
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_laneformer_2b_past2_at_8_lanes_matches_the_reference(tmp_path, placement):
+    from kiec.reference.interpreter import Reference, reference_weights
+    from kiec.runtime.gpu import GpuBackend
+    devices = placement_devices(placement, 8)
+    config = preset("laneformer-2b")                      # num_lanes 8, broadcast_delay 2, windows of 512
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = load_spec({"weights": str(tmp_path), "max_seq_len": 64, "gpus": 8})
+    checkpoint = random_checkpoint(config, 41)            # in memory: 4.6 GB of bf16 not written out
+    former = GpuBackend(spec, quiet=True, checkpoint=checkpoint, devices=devices)
+    graph = former.compiled.graph
+    tokens = [int(t) for t in np.random.default_rng().integers(spec.config.vocab, size=24)]
+    former.poison()
+    got = former.teacher_forced(tokens, 0)
+    del former
+    ref = Reference(graph, reference_weights(graph, checkpoint), spec.config, spec.max_seq_len, np.float32)
+    errs, agree = logit_errors(got, ref.forward(tokens))
+    print(f"laneformer-2b L=8 {placement} past(2): max rel err {errs.max():.3g}, argmax agreement {agree:.3f}")
+    assert np.all(np.isfinite(got))
+    assert errs.max() <= 2e-2 and agree >= 0.98
