@@ -52,6 +52,8 @@ class BenchOptions:
             raise KiecError("--steps", self.steps, "an integer of at least 2")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lanes):
             raise KiecError("--lanes", self.lanes, "positive lane counts, e.g. 1,2,4,8")
+        if len(set(self.lanes)) != len(self.lanes):
+            raise KiecError("--lanes", self.lanes, "each lane count once")
         if not self.placements or any(p not in PLACEMENTS for p in self.placements):
             raise KiecError("--placement", ",".join(self.placements), "a comma-separated choice of " + ", ".join(PLACEMENTS))
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.prompts):
@@ -296,7 +298,13 @@ def time_nccl(model: BenchModel, options: BenchOptions, log) -> list:
                      for c in options.contexts]
             continue
         log(f"NCCL baseline over {lanes} GPU(s)")
-        timed = run_ranks(timed_decode, lanes, model, options.contexts, options.steps)
+        try:
+            timed = run_ranks(timed_decode, lanes, model, options.contexts, options.steps)
+        except (RuntimeError, KiecError) as failure:     # kiec's rows of this run are kept
+            log(f"NCCL baseline over {lanes} GPU(s) failed: {failure}")
+            rows += [{"lanes": lanes, "context": c, "not_run": f"failed: {str(failure).splitlines()[0]}"}
+                     for c in options.contexts]
+            continue
         rows += [{"lanes": lanes, "context": c, "ms_per_token": timed[c]["ms_per_token"]} for c in options.contexts]
     return rows
 

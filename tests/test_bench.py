@@ -193,6 +193,7 @@ def test_without_a_gpu_one_error_line():
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--lanes", "2,x"], "--lanes: got '2,x'; expected comma-separated integers"),
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--lanes", "2", "--placement", "one-launch,everywhere"],
      "--placement: got 'one-launch,everywhere'; expected a comma-separated choice of one-launch, shared, spread"),
+    (["tiny-llama", "--contexts", "16", "--no-prefill", "--lanes", "2,2"], "--lanes: got (2, 2); expected each lane count once"),
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--lanes", "0"], "--lanes: got (0,); expected positive lane counts"),
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--lanes", "3", "--no-peers"], "lanes: got 3; expected a divisor of"),
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--dtp-delay", "1"], "--dtp-delay: got 1; expected --lanes as well"),

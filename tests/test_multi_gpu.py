@@ -118,7 +118,7 @@ def test_one_launch_per_sequence_selects_what_one_launch_per_step_selects(multi_
     sequence_launch_selects_what_step_launches_select(backend(multi_built, "llama", "shared", lanes))
 
 
-def test_a_timeout_on_any_device_is_an_error_then_the_group_recovers(multi_built):
+def test_a_timeout_is_an_error_then_the_group_recovers(multi_built):
     times_out_then_recovers(backend(multi_built, "llama", "shared", 4))
 
 

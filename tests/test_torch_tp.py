@@ -9,6 +9,8 @@ On a GPU (marked gpu): the same over NCCL, one rank per GPU present (up to 2).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -48,6 +50,15 @@ def test_shapes_that_do_not_split_are_refused(model):
     decoder = TorchDecoder(model, load_checkpoint(model), 16)
     with pytest.raises(KiecError, match="num_key_value_heads: got 2; expected a multiple of the tensor-parallel ranks"):
         shard_decoder(decoder, 0, 4)
+
+
+def _exit_silently(rank: int, world: int) -> None:
+    os._exit(0)
+
+
+def test_a_rank_that_exits_without_an_answer_is_reported():
+    with pytest.raises(RuntimeError, match=r"rank \d of 2 exited with code 0 without an answer"):
+        run_ranks(_exit_silently, 2, backend="gloo", timeout_s=120)
 
 
 def test_a_failing_rank_is_reported():

@@ -78,6 +78,8 @@ def _free_port() -> int:
 
 
 def _rank_main(fn, rank: int, world: int, port: int, backend: str, results, args) -> None:
+    # The outcome goes to the parent before the group is torn down: a teardown can block while
+    # other ranks sit in a collective, and the parent would then never hear why.
     try:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")      # NVLink multicast stays off (the machine's rule)
         if backend == "nccl":
@@ -85,18 +87,18 @@ def _rank_main(fn, rank: int, world: int, port: int, backend: str, results, args
         torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                              world_size=world, device_id=torch.device("cuda", rank)
                                              if backend == "nccl" else None)
-        try:
-            value = fn(rank, world, *args)
-        finally:
-            torch.distributed.destroy_process_group()
+        value = fn(rank, world, *args)
         results.put((rank, None, value if rank == 0 else None))
     except BaseException:                                   # noqa: BLE001 - reported to the parent
         results.put((rank, traceback.format_exc(), None))
+        return                                              # the parent kills what is left
+    torch.distributed.destroy_process_group()
 
 
 def run_ranks(fn, world: int, *args, backend: str = "nccl", timeout_s: float = 900.0):
     """fn(rank, world, *args) in `world` spawned processes of one group; rank 0's return value.
-    A rank that fails or dies fails the call, naming the rank and its traceback or exit code."""
+    A rank that fails, dies or exits without an answer fails the call, naming the rank and its
+    traceback or exit code."""
     if backend == "nccl" and torch.cuda.device_count() < world:
         raise KiecError("ranks", world, f"at most the GPUs of this machine ({torch.cuda.device_count()}): NCCL "
                         "takes one GPU per rank")
@@ -114,20 +116,27 @@ def run_ranks(fn, world: int, *args, backend: str = "nccl", timeout_s: float = 9
                 rank, error, value = results.get(timeout=1.0)
             except queues.Empty:
                 waited += 1.0
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0][0]} of {world} exited with code {dead[0][1]}") from None
-                if waited > timeout_s:
-                    raise RuntimeError(f"the {world} ranks did not finish in {timeout_s:.0f} s") from None
-                continue
+                silent = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+                if not silent:
+                    if waited > timeout_s:
+                        raise RuntimeError(f"the {world} ranks did not finish in {timeout_s:.0f} s") from None
+                    continue
+                try:                      # its answer may still be in the queue's pipe: one more look
+                    rank, error, value = results.get(timeout=2.0)
+                except queues.Empty:
+                    rank, code = silent[0]
+                    raise RuntimeError(f"rank {rank} of {world} exited with code {code} without an answer") from None
             if error:
                 raise RuntimeError(f"rank {rank} of {world} failed:\n{error}")
             got[rank] = value
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=10 if len(got) == world else 0)
+        for p in procs:
             if p.is_alive():
                 p.kill()
+        for p in procs:
+            p.join()
     return got[0]
 
 

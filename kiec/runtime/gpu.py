@@ -9,6 +9,7 @@ the GPU and tokens streamed through pinned host memory (`generate_on_device`).
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -31,11 +32,15 @@ def gpu_available() -> bool:
 
 
 def gpu_count() -> int:
-    """GPUs nvidia-smi lists (0 without one)."""
+    """GPUs this process may use: those nvidia-smi lists, or as many as CUDA_VISIBLE_DEVICES names (0 without one)."""
     if shutil.which("nvidia-smi") is None:
         return 0
     listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
-    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
+    count = sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:         # the runtime numbers the visible ones 0, 1, ... up to the first bad entry
+        count = min(count, len([d for d in visible.split(",") if d.strip()]))
+    return count
 
 
 def device_multiprocessors(device: int = 0) -> int | None:
