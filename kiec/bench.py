@@ -8,14 +8,15 @@ One run measures, in order: the device's read bandwidth (kiec's own 16-byte grid
 kiec.probe); kiec's ms/token at each context, one launch per step and one launch per sequence
 (the kernel's own event time); the torch peers on the same weights (plain ops in one CUDA graph,
 and torch.compile then one CUDA graph; CUDA events between replays); and, with --hf,
-transformers' `generate`. With --lanes, kiec again at each lane count (each lane its own blocks, weights, KV cache and
-inbox): exact tensor parallelism, and past(d) with --dtp-delay (a laneformer runs its own modes),
-with the bytes each lane sends per token, placed as --placement says: `one-launch`, every lane in
-one grid on this GPU; `shared`, one launch per lane (the multi-GPU build) all on GPU 0; `spread`,
-lane i on GPU i. With the peers, the NCCL baseline too (kiec.baselines.torch_tp: the torch step
-sharded over L processes, all-reduce between kernels, one CUDA graph), where L GPUs are present.
-The floor of a context is its bytes per token (kiec.inspect) over the best read of this same run. MODEL is anything `kiec run` takes, or a synthetic preset
-(kiec.synthetic.PRESETS): random weights at real shapes, made in memory.
+transformers' `generate`. With --lanes (kiec/bench_lanes.py), kiec again at each lane count (each
+lane its own blocks, weights, KV cache and inbox): exact tensor parallelism, and past(d) with
+--dtp-delay (a laneformer runs its own modes), with the bytes each lane sends per token, placed as
+--placement says: `one-launch`, every lane in one grid on this GPU; `shared`, one launch per lane
+(the multi-GPU build) all on GPU 0; `spread`, lane i on GPU i. With the peers, the NCCL baseline
+too (kiec.baselines.torch_tp: the torch step sharded over L processes, all-reduce between kernels,
+one CUDA graph), where L GPUs are present. The floor of a context is its bytes per token
+(kiec.inspect) over the best read of this same run. MODEL is anything `kiec run` takes, or a
+synthetic preset (kiec.synthetic.PRESETS): random weights at real shapes, made in memory.
 Everything GPU-side is imported when it runs, so `--help` and the argument checks work anywhere.
 """
 from __future__ import annotations
@@ -225,88 +226,10 @@ def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None
     for context in options.contexts:
         raw["contexts"].append({"context": context, "bytes_per_token": bytes_per_token(spec, context),
                                 "measured": measured[context]})
+    from .bench_lanes import time_lanes, time_nccl
     raw["lanes"] = time_lanes(model, checkpoint, options, rng, log)
     raw["nccl"] = time_nccl(model, options, log) if options.lanes and options.peers else []
     return raw
-
-
-def exchange_bytes_per_lane(sched) -> int:
-    """Bytes one lane stores into its peers' memory per token: a full-width fp32 partial per peer for
-    every sublayer it sends (codegen.senders); across devices also its last residual, mirrored to
-    every other device for the LM head."""
-    from .codegen import senders
-    mirrored = 1 if sched.grid.devices > 1 else 0
-    return (len(senders(sched)) + mirrored) * sched.config["hidden"] * 4 * (sched.lanes - 1)
-
-
-def time_lanes(model: BenchModel, checkpoint, options: BenchOptions, rng, log) -> list:
-    """One row per (lane count, mode, placement, context): kiec's ms/token; a placement that needs
-    more GPUs than this machine has is a row that says so."""
-    from .runtime.gpu import GpuBackend, gpu_count
-    runnable = [(lanes, mode, placement, spec, placement_devices(placement, lanes))
-                for lanes, mode, placement, spec in model.lane_specs
-                if placement != "spread" or gpu_count() >= lanes]
-    builds = build_all([(spec, devices) for *_, spec, devices in runnable], log)
-    rows = []
-    for lanes, mode, placement, spec in model.lane_specs:
-        head = {"lanes": lanes, "mode": mode, "placement": placement}
-        if placement == "spread" and gpu_count() < lanes:
-            rows += [dict(head, context=c, not_run=f"needs {lanes} GPUs, this machine has {gpu_count()}")
-                     for c in options.contexts]
-            continue
-        devices = placement_devices(placement, lanes)
-        log(f"kiec with {lanes} lane(s), {mode}, {placement}: upload")
-        backend = GpuBackend(spec, checkpoint=checkpoint, quiet=True, devices=devices, compiled=builds[id(spec)])
-        for context in options.contexts:
-            log(f"kiec with {lanes} lane(s), {mode}, {placement}, at context {context}")
-            timed = time_kiec(backend, context, options.steps, rng)
-            rows.append(dict(head, context=context, blocks=backend.sched.grid.blocks,
-                             ms_per_token=timed["kiec per-sequence"]["ms_per_token"],
-                             ms_per_token_per_step=timed["kiec per-step"]["ms_per_token"],
-                             exchange_bytes_per_lane=exchange_bytes_per_lane(backend.sched)))
-        del backend
-    return rows
-
-
-def placement_devices(placement: str, lanes: int) -> list:
-    return {"one-launch": [0], "shared": [0] * lanes, "spread": list(range(lanes))}[placement]
-
-
-def build_all(jobs, log) -> dict:
-    """id(spec) -> CompiledModel for every (spec, devices), built side by side (nvcc is single-threaded)."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-    from .runtime.gpu import CompiledModel, lane_multiprocessors
-    if not jobs:
-        return {}
-    log(f"kiec: building {len(jobs)} lane variant(s) side by side")
-    with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
-        futures = {id(spec): pool.submit(CompiledModel, spec, lane_multiprocessors(devices), None, True)
-                   for spec, devices in jobs}
-        return {key: future.result() for key, future in futures.items()}
-
-
-def time_nccl(model: BenchModel, options: BenchOptions, log) -> list:
-    """The NCCL baseline (kiec.baselines.torch_tp) at each lane count of --lanes that this machine's
-    GPUs allow: one row per (lane count, context); the others are rows that say what they need."""
-    from .baselines.torch_tp import run_ranks, timed_decode
-    from .runtime.gpu import gpu_count
-    rows = []
-    for lanes in options.lanes:
-        if lanes > gpu_count():
-            rows += [{"lanes": lanes, "context": c, "not_run": f"needs {lanes} GPUs, this machine has {gpu_count()}"}
-                     for c in options.contexts]
-            continue
-        log(f"NCCL baseline over {lanes} GPU(s)")
-        try:
-            timed = run_ranks(timed_decode, lanes, model, options.contexts, options.steps)
-        except (RuntimeError, KiecError) as failure:     # kiec's rows of this run are kept
-            log(f"NCCL baseline over {lanes} GPU(s) failed: {failure}")
-            rows += [{"lanes": lanes, "context": c, "not_run": f"failed: {str(failure).splitlines()[0]}"}
-                     for c in options.contexts]
-            continue
-        rows += [{"lanes": lanes, "context": c, "ms_per_token": timed[c]["ms_per_token"]} for c in options.contexts]
-    return rows
 
 
 def _device_name() -> str:

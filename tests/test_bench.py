@@ -124,7 +124,7 @@ def test_prefill_floor_share_speedup_and_table():
 
 
 def test_lane_modes_placements_and_exchange_bytes(tmp_path):
-    from kiec.bench import exchange_bytes_per_lane
+    from kiec.bench_lanes import exchange_bytes_per_lane
     from kiec.pipeline import build_schedule
     model = BenchModel("llama-3.2-1b", BenchOptions(contexts=(16,), steps=8, peers=False, lanes=(1, 8), dtp_delay=2,
                                                     placements=("one-launch", "shared")), tmp_path)
@@ -140,15 +140,15 @@ def test_lane_modes_placements_and_exchange_bytes(tmp_path):
 
 
 def test_placements_that_need_more_gpus_are_rows_that_say_so(tmp_path, monkeypatch):
-    from kiec import bench
+    from kiec import bench_lanes
     from kiec.runtime import gpu
     monkeypatch.setattr(gpu, "gpu_count", lambda: 1)
     options = BenchOptions(contexts=(16, 32), steps=8, lanes=(2,), placements=("spread",), prompts=())
     model = BenchModel("tiny-llama", options, tmp_path)
-    rows = bench.time_lanes(model, None, options, None, lambda m: None)
+    rows = bench_lanes.time_lanes(model, None, options, None, lambda m: None)
     assert [(r["lanes"], r["placement"], r["context"]) for r in rows] == [(2, "spread", 16), (2, "spread", 32)]
     assert all(r["not_run"] == "needs 2 GPUs, this machine has 1" for r in rows)
-    assert [r["not_run"] for r in bench.time_nccl(model, options, lambda m: None)] == ["needs 2 GPUs, this machine has 1"] * 2
+    assert [r["not_run"] for r in bench_lanes.time_nccl(model, options, lambda m: None)] == ["needs 2 GPUs, this machine has 1"] * 2
 
 
 def test_unknown_row_is_refused():
