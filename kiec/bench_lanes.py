@@ -23,20 +23,19 @@ def time_lanes(model, checkpoint, options, rng, log) -> list:
     more GPUs than this machine has is a row that says so."""
     from .bench import time_kiec
     from .runtime.gpu import GpuBackend, gpu_count
-    runnable = [(lanes, mode, placement, spec, placement_devices(placement, lanes))
-                for lanes, mode, placement, spec in model.lane_specs
-                if placement != "spread" or gpu_count() >= lanes]
-    builds = build_all([(spec, devices) for *_, spec, devices in runnable], log)
+    gpus = gpu_count()
+    devices = [placement_devices(placement, lanes) if placement != "spread" or gpus >= lanes else None
+               for lanes, _, placement, _ in model.lane_specs]      # None: this machine cannot place it
+    builds = build_all({i: (spec, devices[i]) for i, (*_, spec) in enumerate(model.lane_specs) if devices[i]}, log)
     rows = []
-    for lanes, mode, placement, spec in model.lane_specs:
+    for i, (lanes, mode, placement, spec) in enumerate(model.lane_specs):
         head = {"lanes": lanes, "mode": mode, "placement": placement}
-        if placement == "spread" and gpu_count() < lanes:
-            rows += [dict(head, context=c, not_run=f"needs {lanes} GPUs, this machine has {gpu_count()}")
+        if devices[i] is None:
+            rows += [dict(head, context=c, not_run=f"needs {lanes} GPUs, this machine has {gpus}")
                      for c in options.contexts]
             continue
-        devices = placement_devices(placement, lanes)
         log(f"kiec with {lanes} lane(s), {mode}, {placement}: upload")
-        backend = GpuBackend(spec, checkpoint=checkpoint, quiet=True, devices=devices, compiled=builds[id(spec)])
+        backend = GpuBackend(spec, checkpoint=checkpoint, quiet=True, devices=devices[i], compiled=builds[i])
         for context in options.contexts:
             log(f"kiec with {lanes} lane(s), {mode}, {placement}, at context {context}")
             timed = time_kiec(backend, context, options.steps, rng)
@@ -52,8 +51,8 @@ def placement_devices(placement: str, lanes: int) -> list:
     return {"one-launch": [0], "shared": [0] * lanes, "spread": list(range(lanes))}[placement]
 
 
-def build_all(jobs, log) -> dict:
-    """id(spec) -> CompiledModel for every (spec, devices), built side by side (nvcc is single-threaded)."""
+def build_all(jobs: dict, log) -> dict:
+    """key -> CompiledModel for every key -> (spec, devices), built side by side (nvcc is single-threaded)."""
     import os
     from concurrent.futures import ThreadPoolExecutor
     from .runtime.gpu import CompiledModel, lane_multiprocessors
@@ -61,8 +60,8 @@ def build_all(jobs, log) -> dict:
         return {}
     log(f"kiec: building {len(jobs)} lane variant(s) side by side")
     with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
-        futures = {id(spec): pool.submit(CompiledModel, spec, lane_multiprocessors(devices), None, True)
-                   for spec, devices in jobs}
+        futures = {key: pool.submit(CompiledModel, spec, lane_multiprocessors(devices), None, True)
+                   for key, (spec, devices) in jobs.items()}
         return {key: future.result() for key, future in futures.items()}
 
 
@@ -71,10 +70,11 @@ def time_nccl(model, options, log) -> list:
     GPUs allow: one row per (lane count, context); the others are rows that say what they need."""
     from .baselines.torch_tp import run_ranks, timed_decode
     from .runtime.gpu import gpu_count
+    gpus = gpu_count()
     rows = []
     for lanes in options.lanes:
-        if lanes > gpu_count():
-            rows += [{"lanes": lanes, "context": c, "not_run": f"needs {lanes} GPUs, this machine has {gpu_count()}"}
+        if lanes > gpus:
+            rows += [{"lanes": lanes, "context": c, "not_run": f"needs {lanes} GPUs, this machine has {gpus}"}
                      for c in options.contexts]
             continue
         log(f"NCCL baseline over {lanes} GPU(s)")

@@ -35,9 +35,10 @@ PLACEMENTS = ("shared", "spread")
 
 
 def placement_devices(placement: str, lanes: int) -> list:
+    from kiec.bench_lanes import placement_devices as devices_of
     if placement == "spread" and gpu_count() < lanes:
         pytest.skip(f"one lane per GPU needs {lanes} GPUs; this machine has {gpu_count()}")
-    return [0] * lanes if placement == "shared" else list(range(lanes))
+    return devices_of(placement, lanes)
 
 
 @pytest.fixture(scope="module")
