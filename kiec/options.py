@@ -13,6 +13,11 @@ class CompileOptions:
     slot_bytes: int | None = None       # one weight-ring slot (None: the target's)
     max_slots: int | None = None        # at most this many ring slots (None: as many as shared memory holds)
     prefill_chunk: int | None = None    # prompt tokens one prefill pass takes (None: 2048, or max_seq_len)
+    reduce_batch: int | None = None     # a warp's dot products reduced together (None: 8; 1: each alone)
+    warp_release: int | None = None     # 1: one arrive per consumer warp frees a ring slot (None/0: one per thread)
+    # timing only, the outputs are wrong: 1 leaves the weight copies out (the consumers' own pace),
+    # 2 leaves the consumers' arithmetic out (the stream and the handshakes alone)
+    timing_only: int | None = None
 
     def __post_init__(self):
         if self.consumer_warps is not None and self.consumer_warps not in (4, 8, 16):
@@ -23,6 +28,12 @@ class CompileOptions:
             raise KiecError("max_slots", self.max_slots, "at least 2")
         if self.prefill_chunk is not None and (self.prefill_chunk < 64 or self.prefill_chunk % 64):
             raise KiecError("prefill_chunk", self.prefill_chunk, "a multiple of 64, at least 64")
+        if self.reduce_batch is not None and self.reduce_batch not in (1, 2, 4, 8, 16):
+            raise KiecError("reduce_batch", self.reduce_batch, "1, 2, 4, 8 or 16")
+        if self.warp_release not in (None, 0, 1):
+            raise KiecError("warp_release", self.warp_release, "0 or 1")
+        if self.timing_only not in (None, 0, 1, 2):
+            raise KiecError("timing_only", self.timing_only, "0, 1 (no weight copies) or 2 (no arithmetic)")
 
     def label(self) -> str:
         """'slot_bytes=32768' style: only the knobs that differ from the defaults."""

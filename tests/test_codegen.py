@@ -14,6 +14,7 @@ import pytest
 
 from kiec.ir.schedule import STAGE_KINDS
 from kiec.model import load_spec
+from kiec.options import CompileOptions
 from kiec.pipeline import render_sources
 from kiec.synthetic import preset
 from kiec.targets import TARGETS, get_target
@@ -68,6 +69,17 @@ def test_generated_kernel_compiles(tmp_path, name, target):
     report = check(files, get_target(target), tmp_path / "build")
     if target == "cuda:sm_90":
         assert "0 bytes spill stores" in report, report         # a spill is a slowdown worth failing on
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("text", ["reduce_batch=1", "reduce_batch=16,warp_release=1", "timing_only=1", "timing_only=2"])
+def test_consumer_options_compile(tmp_path, text, target):
+    _need(COMPILERS[target])
+    spec = _spec(tmp_path, "tiny-qwen2-bias-tied").replace(target=target)
+    _, sched, files, _ = render_sources(spec, options=CompileOptions.parse(text))
+    report = check(files, get_target(target), tmp_path / "build")
+    if target == "cuda:sm_90":
+        assert "0 bytes spill stores" in report, report
 
 
 def test_generated_source_is_readable_and_in_sync_with_the_stage_table(tmp_path):

@@ -115,6 +115,28 @@ def test_compile_options_change_the_ring(models):
         CompileOptions.parse("nosuch=3")
 
 
+def test_consumer_options_reach_the_grid_and_bad_values_are_named(models):
+    spec = spec_of(models["tiny-llama"])
+    _, base = build_schedule(spec)
+    assert (base.grid.reduce_batch, base.grid.warp_release, base.grid.timing_only) == (8, False, 0)
+    _, tuned = build_schedule(spec, options=CompileOptions.parse("reduce_batch=1,warp_release=1,timing_only=2"))
+    assert (tuned.grid.reduce_batch, tuned.grid.warp_release, tuned.grid.timing_only) == (1, True, 2)
+    for text, field in [("reduce_batch=3", "reduce_batch"), ("warp_release=2", "warp_release"),
+                        ("timing_only=3", "timing_only")]:
+        with pytest.raises(KiecError, match=field):
+            CompileOptions.parse(text)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_scratch_holds_x_and_a_norm_stage_s_staged_weights(models, name):
+    # a norm stage copies its norm weights past x before its wait; the LM head one lane's raw h
+    spec = spec_of(models[name])
+    _, sched = build_schedule(spec)
+    for s in sched.stages:
+        if s.kind in ("qkv", "gate_up", "lm_head"):
+            assert sched.grid.scratch_bytes >= 4 * (s.gemv.stride + s.gemv.cols), s.name
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
 def test_memplan_regions_do_not_overlap_and_are_aligned(models, name):
     spec = spec_of(models[name])

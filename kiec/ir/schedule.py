@@ -92,6 +92,9 @@ class Grid:
     slots: int
     scratch_bytes: int
     devices: int = 1                # 1: every lane on one GPU; else one lane per GPU
+    reduce_batch: int = 8           # a warp's dot products reduced together
+    warp_release: bool = False      # one arrive per consumer warp frees a slot (else one per thread)
+    timing_only: int = 0            # 1: no weight copies, 2: no consumer arithmetic (outputs wrong)
 
     @property
     def blocks_per_lane(self) -> int:

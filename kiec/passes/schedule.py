@@ -17,7 +17,8 @@ Guarantees:
 - tile t of a stage runs on block (t + rotation) % blocks, the rotation carrying on
   from the previous stage, so small stages land on different blocks;
 - shared memory holds the ring of weight slots plus one scratch area (input vector,
-  partial sums, attention scratch) that fits the largest stage.
+  partial sums, attention scratch) that fits the largest stage; where the partials go, a
+  norm stage first stages its norm weights and the LM head one lane's h.
 Dependencies are implied by stage order: a GEMV tile waits for every tile of the
 stage before it; an attention tile only for the qkv tiles that cover its KV group.
 """
@@ -86,7 +87,9 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
         if s.gemv is not None and s.gemv.unit_bytes > slot_bytes:
             raise KiecError("ir", s.name, f"units of at most {slot_bytes} bytes")
     grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
-                slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices)
+                slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices,
+                reduce_batch=options.reduce_batch or 8, warp_release=bool(options.warp_release),
+                timing_only=options.timing_only or 0)
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
 
@@ -142,7 +145,8 @@ def _scratch_bytes(s: Stage, warps: int) -> int:
     if s.gemv is not None:
         g = s.gemv
         partials = g.rows_per_tile * g.segments
-        if s.kind == "lm_head":                 # one lane's raw h sits where the partials go later
+        # the LM head's raw h of one lane, a norm stage's weights: staged where the partials go later
+        if s.kind in ("lm_head", "qkv", "gate_up"):
             partials = max(partials, g.cols)
         return 4 * g.stride + 4 * partials + 4 * 64
     group = s.attr("heads") // s.attr("kv_heads")
