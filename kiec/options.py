@@ -15,6 +15,8 @@ class CompileOptions:
     prefill_chunk: int | None = None    # prompt tokens one prefill pass takes (None: 2048, or max_seq_len)
     reduce_batch: int | None = None     # a warp's dot products reduced together (None: 8; 1: each alone)
     warp_release: int | None = None     # 1: one arrive per consumer warp frees a ring slot (None/0: one per thread)
+    gemv_tiles: int | None = None       # 1: decode GEMVs on the matrix units, 0: FMAs over rows (None: the target's)
+    slot_groups: int | None = None      # consumer warp groups taking turns at the ring's slots (None: 1; tiled only)
     # timing only, the outputs are wrong: 1 leaves the weight copies out (the consumers' own pace),
     # 2 leaves the consumers' arithmetic out (the stream and the handshakes alone)
     timing_only: int | None = None
@@ -32,6 +34,10 @@ class CompileOptions:
             raise KiecError("reduce_batch", self.reduce_batch, "1, 2, 4, 8 or 16")
         if self.warp_release not in (None, 0, 1):
             raise KiecError("warp_release", self.warp_release, "0 or 1")
+        if self.gemv_tiles not in (None, 0, 1):
+            raise KiecError("gemv_tiles", self.gemv_tiles, "0 (FMAs over rows) or 1 (the matrix units)")
+        if self.slot_groups is not None and self.slot_groups not in (1, 2):
+            raise KiecError("slot_groups", self.slot_groups, "1 or 2")
         if self.timing_only not in (None, 0, 1, 2):
             raise KiecError("timing_only", self.timing_only, "0, 1 (no weight copies) or 2 (no arithmetic)")
 

@@ -4,12 +4,15 @@ The kernel sees every matrix as contiguous rows of `stride` 16-bit elements; a
 Q/K head's rows are reordered so that RoPE's pairs are adjacent (attention only
 takes dot products, so q and k may share any order of their dimensions); gate and
 up rows are interleaved so one tile holds matching pairs. `unpermute_pairs` undoes
-the head reordering where a test compares q or k with the reference.
+the head reordering where a test compares q or k with the reference. A tiled matrix
+(for the matrix units) keeps the same bytes per group of TILE_ROWS rows, reordered into
+TILE_ROWS x TILE_COLS tiles, each row-major, left to right (`tile_rows`, `untile_rows`).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .ir.schedule import TILE_COLS, TILE_ROWS
 from .model import rope_inv_freq
 
 
@@ -64,6 +67,23 @@ def _lane_rows(entry: dict, arrays: dict, lane: int) -> np.ndarray:
     return pick(src[0])
 
 
+def tile_rows(rows: np.ndarray) -> np.ndarray:
+    """[rows, stride] -> the tiled order: [row group][column tile][TILE_ROWS][TILE_COLS], flattened
+    to [packed rows, stride] (the last group padded with zero rows). stride % TILE_COLS == 0."""
+    n, stride = rows.shape
+    padded = np.zeros((-(-n // TILE_ROWS) * TILE_ROWS, stride), dtype=rows.dtype)
+    padded[:n] = rows
+    groups = padded.reshape(-1, TILE_ROWS, stride // TILE_COLS, TILE_COLS).swapaxes(1, 2)
+    return np.ascontiguousarray(groups).reshape(padded.shape)
+
+
+def untile_rows(tiled: np.ndarray, rows: int) -> np.ndarray:
+    """tile_rows undone: [packed rows, stride] in tiled order -> the first `rows` rows."""
+    stride = tiled.shape[1]
+    groups = tiled.reshape(-1, stride // TILE_COLS, TILE_ROWS, TILE_COLS).swapaxes(1, 2)
+    return groups.reshape(tiled.shape)[:rows]
+
+
 def pack_weights(sched, arrays: dict, cfg, max_seq_len: int, dtype: str = "bf16", progress=None) -> np.ndarray:
     """arrays: graph weight name -> float array (kiec.weights.materialize). Returns the blob (uint8)."""
     mem = sched.memory["weights"]
@@ -75,12 +95,16 @@ def pack_weights(sched, arrays: dict, cfg, max_seq_len: int, dtype: str = "bf16"
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         blob[offset: offset + raw.size] = raw
 
+    def matrix(entry: dict, rows: np.ndarray) -> np.ndarray:
+        padded = _padded(rows, entry["stride"], half)
+        return tile_rows(padded) if entry.get("tiled") else padded
+
     for n, entry in enumerate(sched.packing):
         kind, name = entry["kind"], entry["name"]
         if entry["lane"] is None:
             offset = mem[name][0]
             if kind == "matrix":
-                put(offset, _padded(arrays[entry["sources"][0]].reshape(entry["rows"], -1), entry["stride"], half))
+                put(offset, matrix(entry, arrays[entry["sources"][0]].reshape(entry["rows"], -1)))
             elif kind == "fp32":
                 put(offset, arrays[entry["sources"][0]].astype(np.float32))
             elif kind == "rope":
@@ -94,7 +118,7 @@ def pack_weights(sched, arrays: dict, cfg, max_seq_len: int, dtype: str = "bf16"
                 elif kind == "qkv_bias":
                     put(offset, _lane_rows(entry, arrays, lane).astype(np.float32))
                 else:
-                    put(offset, _padded(_lane_rows(entry, arrays, lane), entry["stride"], half))
+                    put(offset, matrix(entry, _lane_rows(entry, arrays, lane)))
         if progress:
             progress("pack weights", n + 1, len(sched.packing))
     return blob

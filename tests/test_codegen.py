@@ -71,8 +71,12 @@ def test_generated_kernel_compiles(tmp_path, name, target):
         assert "0 bytes spill stores" in report, report         # a spill is a slowdown worth failing on
 
 
-@pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("text", ["reduce_batch=1", "reduce_batch=16,warp_release=1", "timing_only=1", "timing_only=2"])
+OPTION_TEXTS = ["gemv_tiles=0", "gemv_tiles=0,reduce_batch=1", "gemv_tiles=0,reduce_batch=16,warp_release=1",
+                "timing_only=1", "timing_only=2", "gemv_tiles=0,timing_only=2", "slot_groups=2"]
+
+
+@pytest.mark.parametrize("text,target", [(text, target) for text in OPTION_TEXTS for target in TARGETS
+                                         if TARGETS[target].gemv_tiles or "slot_groups" not in text])
 def test_consumer_options_compile(tmp_path, text, target):
     _need(COMPILERS[target])
     spec = _spec(tmp_path, "tiny-qwen2-bias-tied").replace(target=target)

@@ -9,7 +9,8 @@ from kiec.errors import KiecError
 from kiec.ir.graph import Graph
 from kiec.model import load_spec
 from kiec.options import CompileOptions
-from kiec.pack import pack_weights, permute_pairs, unpermute_pairs
+from kiec.ir.schedule import TILE_COLS, TILE_MIN_STRIDE, TILE_ROWS
+from kiec.pack import pack_weights, permute_pairs, tile_rows, unpermute_pairs, untile_rows
 from kiec.passes.fuse import fuse
 from kiec.passes.memplan import memplan
 from kiec.passes.schedule import attention_splits, qkv_tiles_of_group, schedule
@@ -127,14 +128,63 @@ def test_consumer_options_reach_the_grid_and_bad_values_are_named(models):
             CompileOptions.parse(text)
 
 
+@pytest.mark.parametrize("target,text,tiled", [("cuda:sm_90", "", True), ("cuda:sm_90", "gemv_tiles=0", False),
+                                               ("hip:gfx942", "", False)])
+def test_matrices_are_tiled_where_the_target_has_tiles(models, target, text, tiled):
+    spec = spec_of(models["tiny-qwen2"], target=target)
+    _, sched = build_schedule(spec, options=CompileOptions.parse(text))
+    for s in sched.gemv_stages():
+        g = s.gemv
+        assert g.tiled == tiled, s.name
+        if tiled:        # whole row groups per tile, rows of whole column tiles, each warp a tile in every row
+            assert g.rows_per_tile % TILE_ROWS == 0 and g.stride % TILE_COLS == 0 and g.stride >= TILE_MIN_STRIDE
+            assert g.unit_bytes == TILE_ROWS * TILE_COLS * 2 and g.bytes == g.packed_rows * g.stride * 2
+            assert g.packed_rows % TILE_ROWS == 0 and g.packed_rows - g.rows < TILE_ROWS
+    # the embedding stays rows (one a step is read); a tied LM head then gets a tiled copy of its own
+    assert ("lm_head" in sched.memory["weights"]) == (tiled or not spec.config.tie_embeddings)
+
+
+def test_tiles_need_a_target_that_has_them(models):
+    spec = spec_of(models["tiny-llama"], target="hip:gfx942")
+    with pytest.raises(KiecError, match="gemv_tiles"):
+        build_schedule(spec, options=CompileOptions.parse("gemv_tiles=1"))
+    with pytest.raises(KiecError, match="gemv_tiles"):
+        CompileOptions.parse("gemv_tiles=2")
+    with pytest.raises(KiecError, match="slot_groups"):       # warp groups taking turns need tiled matrices
+        build_schedule(spec, options=CompileOptions.parse("slot_groups=2"))
+    with pytest.raises(KiecError, match="slot_groups"):
+        CompileOptions.parse("slot_groups=3")
+    _, sched = build_schedule(spec.replace(target="cuda:sm_90"), options=CompileOptions.parse("slot_groups=2"))
+    assert sched.grid.slot_groups == 2
+
+
+def test_tiled_order_is_the_kernel_s_and_round_trips():
+    rows, stride = 13, 96                       # a last group of 5 rows, padded with zero rows
+    m = np.arange(rows * stride, dtype=np.float32).reshape(rows, stride) + 1
+    t = tile_rows(m)
+    assert t.shape == (16, stride)
+    flat = t.reshape(-1)
+    for r in range(rows):                       # the kernel's weight_at, element by element
+        for c in range(stride):
+            at = (r // TILE_ROWS) * TILE_ROWS * stride + (c // TILE_COLS) * TILE_ROWS * TILE_COLS \
+                + (r % TILE_ROWS) * TILE_COLS + c % TILE_COLS
+            assert flat[at] == m[r, c]
+    assert np.count_nonzero(flat) == rows * stride          # the padding rows are zeros
+    assert np.array_equal(untile_rows(t, rows), m)
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 def test_scratch_holds_x_and_a_norm_stage_s_staged_weights(models, name):
     # a norm stage copies its norm weights past x before its wait; the LM head one lane's raw h
     spec = spec_of(models[name])
     _, sched = build_schedule(spec)
     for s in sched.stages:
+        tiles = 4 * s.gemv.stride if s.gemv is not None and s.gemv.tiled else 0   # x rounded, and the rest
         if s.kind in ("qkv", "gate_up", "lm_head"):
-            assert sched.grid.scratch_bytes >= 4 * (s.gemv.stride + s.gemv.cols), s.name
+            assert sched.grid.scratch_bytes >= 4 * (s.gemv.stride + s.gemv.cols) + tiles, s.name
+        if s.gemv is not None and s.gemv.tiled:         # one partial per row and warp
+            parts = s.gemv.rows_per_tile * sched.grid.consumer_warps
+            assert sched.grid.scratch_bytes >= 4 * (s.gemv.stride + parts) + tiles, s.name
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])

@@ -24,6 +24,8 @@ STAGE_KINDS = {
 STAGE_OPCODES = {name: i for i, name in enumerate(STAGE_KINDS)}
 
 SEG_MAX = 1024        # elements of one unit: a row segment one warp reduces in one go
+TILE_ROWS, TILE_COLS = 8, 32   # a tiled matrix's unit: rows x columns, row-major, 512 bytes
+TILE_MIN_STRIDE = 256          # a tiled row is at least 8 tiles wide (one per consumer warp)
 
 
 @dataclass(frozen=True)
@@ -31,10 +33,11 @@ class Gemv:
     """The weight matrix a stage streams, as memplan packed it (per lane)."""
     rows: int               # packed rows
     cols: int               # logical input width
-    segments: int           # a row is `segments` units of `seg_width` elements
+    segments: int           # a row is `segments` units of `seg_width` elements (tiled: one of `stride`)
     seg_width: int
     offset: int = 0         # byte offset of lane 0's packed matrix in the weight blob
     rows_per_tile: int = 0  # set by schedule
+    tiled: bool = False     # groups of TILE_ROWS rows stored as TILE_ROWS x TILE_COLS tiles (kiec.pack)
 
     @property
     def stride(self) -> int:
@@ -42,11 +45,16 @@ class Gemv:
 
     @property
     def unit_bytes(self) -> int:
-        return self.seg_width * 2
+        return TILE_ROWS * TILE_COLS * 2 if self.tiled else self.seg_width * 2
+
+    @property
+    def packed_rows(self) -> int:
+        """Rows in the blob: a tiled matrix's last group is padded with zero rows."""
+        return -(-self.rows // TILE_ROWS) * TILE_ROWS if self.tiled else self.rows
 
     @property
     def bytes(self) -> int:
-        return self.rows * self.stride * 2
+        return self.packed_rows * self.stride * 2
 
 
 def gemv_shape(rows: int, cols: int, max_segments: int = 8) -> Gemv:
@@ -58,6 +66,12 @@ def gemv_shape(rows: int, cols: int, max_segments: int = 8) -> Gemv:
     seg_width = -(-cols // segments)
     seg_width = -(-seg_width // 8) * 8          # 16-byte units
     return Gemv(rows=rows, cols=cols, segments=segments, seg_width=seg_width)
+
+
+def gemv_tiled(rows: int, cols: int) -> Gemv:
+    """Rows of whole TILE_COLS-wide tiles, at least TILE_MIN_STRIDE wide (zero columns past cols)."""
+    stride = max(TILE_MIN_STRIDE, -(-cols // TILE_COLS) * TILE_COLS)
+    return Gemv(rows=rows, cols=cols, segments=1, seg_width=stride, tiled=True)
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,7 @@ class Grid:
     reduce_batch: int = 8           # a warp's dot products reduced together
     warp_release: bool = False      # one arrive per consumer warp frees a slot (else one per thread)
     timing_only: int = 0            # 1: no weight copies, 2: no consumer arithmetic (outputs wrong)
+    slot_groups: int = 1            # consumer warp groups taking turns at the ring's slots (tiled matrices)
 
     @property
     def blocks_per_lane(self) -> int:
@@ -134,7 +149,9 @@ class Schedule:
         lines = [f"schedule {self.model} ({self.arch}) lanes={self.lanes} grid={self.grid}"]
         for s in self.stages:
             g = s.gemv
-            shape = (f" gemv {g.rows}x{g.cols} seg {g.segments}x{g.seg_width} rows/tile {g.rows_per_tile}"
+            cut = (f"tiles of {TILE_ROWS}x{TILE_COLS}, stride {g.stride}" if g.tiled else f"seg {g.segments}x{g.seg_width}"
+                   ) if g else ""
+            shape = (f" gemv {g.rows}x{g.cols} {cut} rows/tile {g.rows_per_tile}"
                      f" @ {g.offset}" if g else "")
             attrs = " ".join(f"{k}={v}" for k, v in s.attrs)
             lines.append(f"  {s.index:3d} {s.name:<22} tiles={s.tiles}{shape} {attrs}".rstrip())

@@ -6,7 +6,10 @@ Guarantees four regions, each a dict name -> (offset, bytes), 256-byte aligned:
   norm, RoPE table), then one region per lane (`lane_stride` bytes apart) with, per
   layer, the norms (fp32), the packed Q/K/V matrix (Q and K rows of each head reordered
   so RoPE pairs are adjacent), its bias (fp32), O, the gate/up matrix interleaved by row
-  (gate j, up j, ...) and down. Matrices are bf16/fp16 rows padded to `stride` elements.
+  (gate j, up j, ...) and down. Matrices are bf16/fp16 rows padded to `stride` elements,
+  tiled (`Gemv.tiled`: groups of 8 rows, each group 32-column tiles of 8 x 32) where the
+  schedule says so; the embedding stays rows (a step reads one), so a tied LM head gets a
+  tiled copy of its own.
   `packing` says how each entry is built from the graph's weights (kiec.pack applies it).
 - `acts`: fp32 activations, per lane (`lane_stride` apart) then shared (logits, ...).
 - `kv`: the KV cache per lane, [layer][kv head][position][head_dim], 16-bit.
@@ -59,12 +62,12 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     packing.append(dict(name="embed", kind="matrix", sources=["embed"], rows=cfg.vocab, stride=d_embed, lane=None))
     stages = list(sched.stages)
     lm = next(s for s in stages if s.kind == "lm_head")
-    if lm.gemv.stride == d_embed and cfg.tie_embeddings:
+    if lm.gemv.stride == d_embed and cfg.tie_embeddings and not lm.gemv.tiled:
         lm_offset = shared.entries["embed"][0]        # tied and the same padding: one copy serves both
     else:
         lm_offset = shared.add("lm_head", lm.gemv.bytes)
         packing.append(dict(name="lm_head", kind="matrix", sources=list(lm.attr("weights")), rows=lm.gemv.rows,
-                            stride=lm.gemv.stride, lane=None))
+                            stride=lm.gemv.stride, lane=None, tiled=lm.gemv.tiled))
     stages[lm.index] = dataclasses.replace(lm, gemv=dataclasses.replace(lm.gemv, offset=lm_offset))
     norm_bytes = 4 * cfg.hidden * (lanes if lm.attr("per_lane_norm") else 1)
     shared.add("final_norm", norm_bytes)
@@ -87,7 +90,8 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
         stages[s.index] = dataclasses.replace(s, gemv=dataclasses.replace(s.gemv, offset=offset))
         kind = {"qkv": "qkv", "gate_up": "interleave"}.get(s.kind, "matrix")
         packing.append(dict(name=name, kind=kind, sources=list(s.attr("weights")), rows=s.gemv.rows,
-                            stride=s.gemv.stride, lane=True, head_dim=hd, pairs=s.attr("pairs")))
+                            stride=s.gemv.stride, lane=True, head_dim=hd, pairs=s.attr("pairs"),
+                            tiled=s.gemv.tiled))
         if s.kind == "qkv" and s.attr("bias"):
             lane.add(p + "qkv_bias", 4 * s.gemv.rows)
             packing.append(dict(name=p + "qkv_bias", kind="qkv_bias", sources=list(s.attr("biases")),

@@ -11,7 +11,8 @@ decode kernel then takes the prompt token by token), or a dict the templates ren
 - `layers`: per layer the absolute byte offsets of its norms, packed matrices and bias in the
   weight blob, each matrix's rows, cols and row stride, q/kv rows and the attention window.
 Every matrix the GEMMs read has cols and stride in multiples of 8 elements (16-byte loads), and
-the rows of the matrices are exactly the decode kernel's (RoPE pairs adjacent, gate/up interleaved).
+the rows of the matrices are exactly the decode kernel's (RoPE pairs adjacent, gate/up interleaved;
+tiled where the decode kernel's are, which the GEMMs' loads follow: weight_at).
 """
 from __future__ import annotations
 

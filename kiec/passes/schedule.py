@@ -7,8 +7,12 @@ Guarantees:
   or every multiprocessor of each lane's own device (a lane's stages run on its own
   blocks; the LM head runs on the blocks of every lane, each taking a slice of the vocabulary);
 - a GEMV stage's rows are cut into contiguous tiles of `rows_per_tile` rows (even
-  where rows come in pairs: RoPE pairs, gate/up pairs), at most one tile per block
-  of the lane, so a stage finishes in one pass over the grid;
+  where rows come in pairs: RoPE pairs, gate/up pairs; a multiple of TILE_ROWS where the
+  matrices are tiled), at most one tile per block of the lane, so a stage finishes in one
+  pass over the grid;
+- every GEMV matrix is tiled for the matrix units, or none is: the target's choice
+  (`Target.gemv_tiles`) unless `gemv_tiles` overrides it; tiles need a target that has
+  them;
 - an attention stage has one tile per (KV head, split of positions), at most one tile per
   block of the lane: `splits` per KV head. The split length is chosen per step from the
   context (`attention_splits`): whole batches (one pass of every consumer warp: warps x keys
@@ -27,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import KiecError
-from ..ir.schedule import Grid, Schedule, Stage, gemv_shape
+from ..ir.schedule import TILE_ROWS, Grid, Schedule, Stage, gemv_shape, gemv_tiled
 from ..options import CompileOptions
 from ..targets import Target
 
@@ -45,17 +49,25 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
         raise KiecError("lanes", lanes, f"at most the device's {blocks} multiprocessors")
     warps = options.consumer_warps or (8 if target.warp_size == 32 else 4)
     per_lane = blocks // lanes
+    tiled = bool(target.gemv_tiles if options.gemv_tiles is None else options.gemv_tiles)
+    if tiled and not target.gemv_tiles:
+        raise KiecError("gemv_tiles", options.gemv_tiles, f"0 on {target.name} (its decode GEMVs have no tiled form)")
+    slot_groups = options.slot_groups or 1
+    if slot_groups > 1 and not tiled:
+        raise KiecError("slot_groups", slot_groups, "1 where the matrices are not tiled (gemv_tiles=0 or the target)")
+    if warps % slot_groups:
+        raise KiecError("slot_groups", slot_groups, f"a divisor of the {warps} consumer warps")
     stages = []
     for s in sched.stages:
         if s.gemv is not None:
-            row_multiple = 2 if s.kind in ("qkv", "gate_up") else 1
+            row_multiple = TILE_ROWS if tiled else 2 if s.kind in ("qkv", "gate_up") else 1
             grid_blocks = blocks if s.kind == "lm_head" else per_lane
             rows_per_tile = -(-s.gemv.rows // grid_blocks)
             rows_per_tile = -(-rows_per_tile // row_multiple) * row_multiple
             tiles = -(-s.gemv.rows // rows_per_tile)
-            cut = gemv_shape(s.gemv.rows, s.gemv.cols, warps)
+            cut = gemv_tiled(s.gemv.rows, s.gemv.cols) if tiled else gemv_shape(s.gemv.rows, s.gemv.cols, warps)
             gemv = dataclasses.replace(s.gemv, segments=cut.segments, seg_width=cut.seg_width,
-                                       rows_per_tile=rows_per_tile)
+                                       rows_per_tile=rows_per_tile, tiled=tiled)
             stages.append(dataclasses.replace(s, gemv=gemv, tiles=tiles))
         elif s.kind == "attention":
             lanes_per_key = 1 << (max(1, s.attr("head_dim") // 8) - 1).bit_length()
@@ -89,7 +101,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
                 slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices,
                 reduce_batch=options.reduce_batch or 8, warp_release=bool(options.warp_release),
-                timing_only=options.timing_only or 0)
+                timing_only=options.timing_only or 0, slot_groups=slot_groups)
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
 
@@ -144,11 +156,12 @@ def _scratch_bytes(s: Stage, warps: int) -> int:
     """Shared memory one stage's consumers need beside the ring."""
     if s.gemv is not None:
         g = s.gemv
-        partials = g.rows_per_tile * g.segments
+        partials = g.rows_per_tile * (warps if g.tiled else g.segments)
         # the LM head's raw h of one lane, a norm stage's weights: staged where the partials go later
         if s.kind in ("lm_head", "qkv", "gate_up"):
             partials = max(partials, g.cols)
-        return 4 * g.stride + 4 * partials + 4 * 64
+        tiles_x = 2 * g.stride * 2 if g.tiled else 0      # x as the matrix units take it: rounded, and the rest
+        return 4 * g.stride + 4 * partials + tiles_x + 4 * 64
     group = s.attr("heads") // s.attr("kv_heads")
     hd = s.attr("head_dim")
     floats = group * hd + warps * group * hd + 2 * warps * group + 64

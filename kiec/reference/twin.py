@@ -12,7 +12,7 @@ import numpy as np
 
 from ..ir.schedule import Schedule
 from ..passes.schedule import attention_splits
-from ..pack import half_dtype
+from ..pack import half_dtype, untile_rows
 
 
 class Twin:
@@ -41,7 +41,9 @@ class Twin:
     def _read_matrix(self, stage, lane: int) -> np.ndarray:
         g = stage.gemv
         offset = g.offset + (0 if stage.kind == "lm_head" else lane * self.lane_stride)
-        raw = self.blob[offset: offset + g.bytes].view(self.half).reshape(g.rows, g.stride)
+        raw = self.blob[offset: offset + g.bytes].view(self.half).reshape(g.packed_rows, g.stride)
+        if g.tiled:
+            raw = untile_rows(raw, g.rows)
         return raw[:, : g.cols].astype(np.float32)
 
     def fp32(self, name: str, count: int, lane: int | None) -> np.ndarray:
