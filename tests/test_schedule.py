@@ -9,7 +9,7 @@ from kiec.errors import KiecError
 from kiec.ir.graph import Graph
 from kiec.model import load_spec
 from kiec.options import CompileOptions
-from kiec.ir.schedule import TILE_COLS, TILE_MIN_STRIDE, TILE_ROWS
+from kiec.ir.schedule import TILE_COLS, TILE_ROWS
 from kiec.pack import pack_weights, permute_pairs, tile_rows, unpermute_pairs, untile_rows
 from kiec.passes.fuse import fuse
 from kiec.passes.memplan import memplan
@@ -137,7 +137,8 @@ def test_matrices_are_tiled_where_the_target_has_tiles(models, target, text, til
         g = s.gemv
         assert g.tiled == tiled, s.name
         if tiled:        # whole row groups per tile, rows of whole column tiles, each warp a tile in every row
-            assert g.rows_per_tile % TILE_ROWS == 0 and g.stride % TILE_COLS == 0 and g.stride >= TILE_MIN_STRIDE
+            assert g.rows_per_tile % TILE_ROWS == 0 and g.stride % TILE_COLS == 0
+            assert g.stride >= TILE_COLS * sched.grid.consumer_warps
             assert g.unit_bytes == TILE_ROWS * TILE_COLS * 2 and g.bytes == g.packed_rows * g.stride * 2
             assert g.packed_rows % TILE_ROWS == 0 and g.packed_rows - g.rows < TILE_ROWS
     # the embedding stays rows (one a step is read); a tied LM head then gets a tiled copy of its own
@@ -154,8 +155,13 @@ def test_tiles_need_a_target_that_has_them(models):
         build_schedule(spec, options=CompileOptions.parse("slot_groups=2"))
     with pytest.raises(KiecError, match="slot_groups"):
         CompileOptions.parse("slot_groups=3")
-    _, sched = build_schedule(spec.replace(target="cuda:sm_90"), options=CompileOptions.parse("slot_groups=2"))
-    assert sched.grid.slot_groups == 2
+    cuda = spec.replace(target="cuda:sm_90")
+    _, sched = build_schedule(cuda, options=CompileOptions.parse("slot_groups=2"))
+    assert sched.grid.slot_groups == 2 and sched.grid.slots % 2 == 0     # a slot stays with one group
+    with pytest.raises(KiecError, match="slot_bytes"):    # 10 tiles a slot: not whole tiles for 8 warps
+        build_schedule(cuda, options=CompileOptions.parse("slot_bytes=5120"))
+    _, wide = build_schedule(cuda, options=CompileOptions.parse("consumer_warps=16"))
+    assert all(s.gemv.stride >= 16 * TILE_COLS for s in wide.gemv_stages())  # a tile per warp in every row
 
 
 def test_tiled_order_is_the_kernel_s_and_round_trips():

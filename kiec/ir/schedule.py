@@ -24,8 +24,8 @@ STAGE_KINDS = {
 STAGE_OPCODES = {name: i for i, name in enumerate(STAGE_KINDS)}
 
 SEG_MAX = 1024        # elements of one unit: a row segment one warp reduces in one go
-TILE_ROWS, TILE_COLS = 8, 32   # a tiled matrix's unit: rows x columns, row-major, 512 bytes
-TILE_MIN_STRIDE = 256          # a tiled row is at least 8 tiles wide (one per consumer warp)
+TILE_ROWS, TILE_COLS = 8, 32   # a tiled matrix's unit: rows x columns, row-major
+TILE_BYTES = TILE_ROWS * TILE_COLS * 2
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Gemv:
 
     @property
     def unit_bytes(self) -> int:
-        return TILE_ROWS * TILE_COLS * 2 if self.tiled else self.seg_width * 2
+        return TILE_BYTES if self.tiled else self.seg_width * 2
 
     @property
     def packed_rows(self) -> int:
@@ -68,9 +68,10 @@ def gemv_shape(rows: int, cols: int, max_segments: int = 8) -> Gemv:
     return Gemv(rows=rows, cols=cols, segments=segments, seg_width=seg_width)
 
 
-def gemv_tiled(rows: int, cols: int) -> Gemv:
-    """Rows of whole TILE_COLS-wide tiles, at least TILE_MIN_STRIDE wide (zero columns past cols)."""
-    stride = max(TILE_MIN_STRIDE, -(-cols // TILE_COLS) * TILE_COLS)
+def gemv_tiled(rows: int, cols: int, warps: int) -> Gemv:
+    """Rows of whole TILE_COLS-wide tiles, at least one tile per consumer warp (zero columns past
+    cols): a warp's step of `warps` tiles then crosses at most one row's end."""
+    stride = max(warps * TILE_COLS, -(-cols // TILE_COLS) * TILE_COLS)
     return Gemv(rows=rows, cols=cols, segments=1, seg_width=stride, tiled=True)
 
 

@@ -12,7 +12,8 @@ Guarantees:
   pass over the grid;
 - every GEMV matrix is tiled for the matrix units, or none is: the target's choice
   (`Target.gemv_tiles`) unless `gemv_tiles` overrides it; tiles need a target that has
-  them;
+  them; a tiled row has at least one tile per consumer warp, and a slot whole tiles for each
+  warp reading it; with `slot_groups` warp groups the ring has a multiple of that many slots;
 - an attention stage has one tile per (KV head, split of positions), at most one tile per
   block of the lane: `splits` per KV head. The split length is chosen per step from the
   context (`attention_splits`): whole batches (one pass of every consumer warp: warps x keys
@@ -31,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import KiecError
-from ..ir.schedule import TILE_ROWS, Grid, Schedule, Stage, gemv_shape, gemv_tiled
+from ..ir.schedule import TILE_BYTES, TILE_ROWS, Grid, Schedule, Stage, gemv_shape, gemv_tiled
 from ..options import CompileOptions
 from ..targets import Target
 
@@ -65,7 +66,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             rows_per_tile = -(-s.gemv.rows // grid_blocks)
             rows_per_tile = -(-rows_per_tile // row_multiple) * row_multiple
             tiles = -(-s.gemv.rows // rows_per_tile)
-            cut = gemv_tiled(s.gemv.rows, s.gemv.cols) if tiled else gemv_shape(s.gemv.rows, s.gemv.cols, warps)
+            cut = gemv_tiled(s.gemv.rows, s.gemv.cols, warps) if tiled else gemv_shape(s.gemv.rows, s.gemv.cols, warps)
             gemv = dataclasses.replace(s.gemv, segments=cut.segments, seg_width=cut.seg_width,
                                        rows_per_tile=rows_per_tile, tiled=tiled)
             stages.append(dataclasses.replace(s, gemv=gemv, tiles=tiles))
@@ -92,12 +93,19 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     slot_bytes = options.slot_bytes or target.slot_bytes
     slots = (target.smem_bytes - scratch - BARRIER_BYTES) // slot_bytes
     slots = min(slots, options.max_slots or slots)
+    # warp groups taking turns skip every other phase of a slot's barriers: with an even slot count a
+    # slot always belongs to the same group, so no group waits on a phase two ahead of the one it saw
+    slots -= slots % slot_groups
     if slots < 2:
         raise KiecError("model", f"{scratch} bytes of scratch", f"a model whose widest stage leaves room for "
                         f"two {slot_bytes}-byte weight slots in {target.smem_bytes} bytes of shared memory")
     for s in stages:
         if s.gemv is not None and s.gemv.unit_bytes > slot_bytes:
             raise KiecError("ir", s.name, f"units of at most {slot_bytes} bytes")
+    group_warps = warps // slot_groups          # the warps reading one slot take its tiles in turn
+    if tiled and (slot_bytes // TILE_BYTES) % group_warps:
+        raise KiecError("slot_bytes", slot_bytes, f"a multiple of {TILE_BYTES * group_warps} bytes: whole tiles "
+                        f"for each of the {group_warps} warps reading a slot (tiled matrices)")
     grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
                 slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices,
                 reduce_batch=options.reduce_batch or 8, warp_release=bool(options.warp_release),
