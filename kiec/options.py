@@ -15,7 +15,7 @@ class CompileOptions:
     prefill_chunk: int | None = None    # prompt tokens one prefill pass takes (None: 2048, or max_seq_len)
     reduce_batch: int | None = None     # a warp's dot products reduced together (None: 8; 1: each alone)
     warp_release: int | None = None     # 1: one arrive per consumer warp frees a ring slot (None/0: one per thread)
-    gemv_tiles: int | None = None       # 1: decode GEMVs on the matrix units, 0: FMAs over rows (None: the target's)
+    gemv_tiles: int | None = None       # 1: decode GEMVs on the matrix units, 0: FMAs over rows (None: the target's, for bf16)
     slot_groups: int | None = None      # consumer warp groups taking turns at the ring's slots (None: 1; tiled only)
     # timing only, the outputs are wrong: 1 leaves the weight copies out (the consumers' own pace),
     # 2 leaves the consumers' arithmetic out (the stream and the handshakes alone)

@@ -46,7 +46,8 @@ def schedule_steps(spec: ModelSpec, multiprocessors: int | None = None, options=
     options = options or CompileOptions()
     return [
         ("fuse", lambda g: fuse(g, spec.config)),                                     # ops -> stages
-        ("schedule", lambda s: schedule(s, target, multiprocessors, spec.max_seq_len, options, spec.gpus)),  # tiles
+        ("schedule", lambda s: schedule(s, target, multiprocessors, spec.max_seq_len, options, spec.gpus,
+                                        spec.dtype)),                                   # tiles
         ("memplan", lambda s: memplan(s, spec.config, spec.max_seq_len, spec.dtype)),  # offsets of everything
         ("prefill", lambda s: prefill(s, target, options.prefill_chunk)),           # the prompt path's plan
     ]

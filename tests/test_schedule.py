@@ -145,6 +145,14 @@ def test_matrices_are_tiled_where_the_target_has_tiles(models, target, text, til
     assert ("lm_head" in sched.memory["weights"]) == (tiled or not spec.config.tie_embeddings)
 
 
+def test_fp16_weights_keep_rows_unless_asked(tmp_path):
+    # tiles carry x as two 16-bit halves; fp16's range would overflow where bf16's does not
+    folder = write_random_model(tmp_path / "fp16", "tiny-llama", seed=3, dtype="fp16")
+    for text, tiled in [("", False), ("gemv_tiles=1", True)]:
+        _, sched = build_schedule(spec_of(folder, dtype="fp16"), options=CompileOptions.parse(text))
+        assert all(s.gemv.tiled == tiled for s in sched.gemv_stages())
+
+
 def test_tiles_need_a_target_that_has_them(models):
     spec = spec_of(models["tiny-llama"], target="hip:gfx942")
     with pytest.raises(KiecError, match="gemv_tiles"):

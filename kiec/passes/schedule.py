@@ -11,7 +11,7 @@ Guarantees:
   matrices are tiled), at most one tile per block of the lane, so a stage finishes in one
   pass over the grid;
 - every GEMV matrix is tiled for the matrix units, or none is: the target's choice
-  (`Target.gemv_tiles`) unless `gemv_tiles` overrides it; tiles need a target that has
+  (`Target.gemv_tiles`) for bf16 weights, rows for fp16, unless `gemv_tiles` overrides it; tiles need a target that has
   them; a tiled row has at least one tile per consumer warp, and a slot whole tiles for each
   warp reading it; with `slot_groups` warp groups the ring has a multiple of that many slots;
 - an attention stage has one tile per (KV head, split of positions), at most one tile per
@@ -40,7 +40,7 @@ BARRIER_BYTES = 1024     # mbarriers and block-local flags
 
 
 def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None, max_seq_len: int = 4096,
-             options: CompileOptions = CompileOptions(), devices: int = 1) -> Schedule:
+             options: CompileOptions = CompileOptions(), devices: int = 1, dtype: str = "bf16") -> Schedule:
     lanes = sched.lanes
     if devices not in (1, lanes):
         raise KiecError("gpus", devices, f"1 or the lane count ({lanes})")
@@ -50,7 +50,9 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
         raise KiecError("lanes", lanes, f"at most the device's {blocks} multiprocessors")
     warps = options.consumer_warps or (8 if target.warp_size == 32 else 4)
     per_lane = blocks // lanes
-    tiled = bool(target.gemv_tiles if options.gemv_tiles is None else options.gemv_tiles)
+    # tiles split x into two 16-bit halves: fp16's range (65504) would turn a large activation into inf,
+    # so fp16 weights keep rows unless asked (bf16 has fp32's range)
+    tiled = bool(target.gemv_tiles and dtype == "bf16" if options.gemv_tiles is None else options.gemv_tiles)
     if tiled and not target.gemv_tiles:
         raise KiecError("gemv_tiles", options.gemv_tiles, f"0 on {target.name} (its decode GEMVs have no tiled form)")
     slot_groups = options.slot_groups or 1
