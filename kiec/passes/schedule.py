@@ -52,7 +52,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     per_lane = blocks // lanes
     # tiles split x into two 16-bit halves: fp16's range (65504) would turn a large activation into inf,
     # so fp16 weights keep rows unless asked (bf16 has fp32's range)
-    tiled = bool(target.gemv_tiles and dtype == "bf16" if options.gemv_tiles is None else options.gemv_tiles)
+    tiled = bool((target.gemv_tiles and dtype == "bf16") if options.gemv_tiles is None else options.gemv_tiles)
     if tiled and not target.gemv_tiles:
         raise KiecError("gemv_tiles", options.gemv_tiles, f"0 on {target.name} (its decode GEMVs have no tiled form)")
     slot_groups = options.slot_groups or 1
