@@ -24,8 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .runtime.timeline import format_summary
+
 DEFAULT_MODELS = "tiny-llama,tiny-qwen2,tiny-mistral,llama-3.2-1b,qwen2.5-1.5b"
 SEQ = {"tiny-llama": 512, "tiny-qwen2": 512, "tiny-mistral": 600, "llama-3.2-1b": 8192, "qwen2.5-1.5b": 1024}
+
+
+def _slug(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in text)[:80]
 
 
 def model_spec(name: str, root: Path):
@@ -38,7 +44,7 @@ def model_spec(name: str, root: Path):
     return load_spec({"name": name, "weights": str(folder), "max_seq_len": SEQ.get(name, 1024)}), cfg
 
 
-def check_variant(name, spec, ckpt, compiled, options, reference_logits, log) -> dict:
+def check_variant(name, spec, ckpt, compiled, options, reference_logits, log, out_dir: Path) -> dict:
     """A build with other compile options: same logits as the default build (to bf16 noise), and its times."""
     from .golden import logit_errors
     from .runtime.gpu import GpuBackend
@@ -50,13 +56,13 @@ def check_variant(name, spec, ckpt, compiled, options, reference_logits, log) ->
            "stage_err": {"vs default": float(f"{errs.max():.3g}")}, "first_bad_stage": None,
            "tf_max_err": float(f"{errs.max():.3g}"), "tf_argmax_agree": agree, "bitwise_repeat": None,
            "device_loop_equal": None, "slots": compiled.sched.grid.slots}
-    out.update(time_model(backend, spec))
+    out.update(time_model(backend, spec, out["model"], out_dir))
     log(f"{out['model']}: vs default {errs.max():.3g}, slots {out['slots']}")
     log(out["profile_text"])
     return out
 
 
-def check_model(name, spec, cfg, compiled, bench: bool, log, keep: dict | None = None) -> dict:
+def check_model(name, spec, cfg, compiled, bench: bool, log, out_dir: Path, keep: dict | None = None) -> dict:
     from .golden import logit_errors, rel_err, stage_diffs
     from .pack import pack_weights
     from .reference.twin import Twin
@@ -124,13 +130,14 @@ def check_model(name, spec, cfg, compiled, bench: bool, log, keep: dict | None =
         out["device_tokens"], out["host_tokens"] = device_tokens, host_tokens
     log(f"{name}: tf err {out['tf_max_err']} agree {agree} repeat {out['bitwise_repeat']} loop {out['device_loop_equal']}")
     if bench:
-        out.update(time_model(backend, spec))
+        out.update(time_model(backend, spec, name, out_dir))
         log(out["profile_text"])
     return out
 
 
-def time_model(backend, spec) -> dict:
-    """ms/token: one launch per step, and one launch for 256 steps, at short context."""
+def time_model(backend, spec, label: str, out_dir: Path | None) -> dict:
+    """ms/token: one launch per step, and one launch for 256 steps, at short context; the profile of a
+    steady-state step (its raw stamps saved as out_dir/profile-LABEL.npy)."""
     res = {}
     start = 16
     per_step = []
@@ -144,14 +151,12 @@ def time_model(backend, spec) -> dict:
     if spec.max_seq_len >= 8192:
         backend._launch([1], 64, 8192 - 64)
         res["ms_per_token_ctx8192"] = backend._finish() / 64
-    prof = backend.profile([1], 200)
+    prof = backend.profile(1, 200)
+    raw = prof.pop("raw")
+    if out_dir is not None:
+        np.save(out_dir / f"profile-{_slug(label)}.npy", raw)
     res["profile"] = prof
-    ghz = 1.98
-    lines = [f"  {k:<10} x{v['stages']:<4} tiles {v['tiles']:<6} wait {v['wait'] / ghz / 1e3:7.2f} us  prologue "
-             f"{v['prologue'] / ghz / 1e3:6.2f}  stream {v['stream'] / ghz / 1e3:6.2f}  epilogue {v['epilogue'] / ghz / 1e3:6.2f}"
-             f"  (critical wait {v['critical_wait'] / ghz / 1e3:.2f})" for k, v in prof["kinds"].items()]
-    res["profile_text"] = "\n".join([f"  profile (cycles at {ghz} GHz as us), launch {prof['launch_ms']:.3f} ms, producer "
-                                      f"waits {prof['producer_wait_cycles_per_slot'] / ghz / 1e3:.2f} us per slot"] + lines)
+    res["profile_text"] = f"  profile of step 4 of 8 (launch {prof['launch_ms']:.3f} ms):\n" + format_summary(prof)
     return res
 
 
@@ -195,7 +200,7 @@ def main(argv=None) -> int:
         try:
             compiled = futures[n].result()
             log(f"{n}: built in {compiled.build_s:.1f} s; {compiled.build.report.splitlines()[-1]}")
-            results["models"].append(check_model(n, *specs[n], compiled, args.bench, log,
+            results["models"].append(check_model(n, *specs[n], compiled, args.bench, log, out_dir,
                                                  kept if n == args.variant_model else None))
         except Exception as err:
             log(f"{n}: FAILED {type(err).__name__}: {err}")
@@ -206,7 +211,7 @@ def main(argv=None) -> int:
         try:
             spec = specs[args.variant_model][0]
             results["models"].append(check_variant(args.variant_model, spec, kept["ckpt"], future.result(), options,
-                                                   kept["logits"], log))
+                                                   kept["logits"], log, out_dir))
         except Exception as err:
             log(f"variant {options}: FAILED {type(err).__name__}: {err}")
             log(traceback.format_exc())

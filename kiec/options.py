@@ -17,6 +17,8 @@ class CompileOptions:
     warp_release: int | None = None     # 1: one arrive per consumer warp frees a ring slot (None/0: one per thread)
     gemv_tiles: int | None = None       # 1: decode GEMVs on the matrix units, 0: FMAs over rows (None: the target's, for bf16)
     slot_groups: int | None = None      # consumer warp groups taking turns at the ring's slots (None: 1; tiled only)
+    tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 4; tiled only)
+    l2_ahead: int | None = None         # ring chunks the producer may prefetch into L2 while the ring is full (None: 0)
     # timing only, the outputs are wrong: 1 leaves the weight copies out (the consumers' own pace),
     # 2 leaves the consumers' arithmetic out (the stream and the handshakes alone)
     timing_only: int | None = None
@@ -38,6 +40,10 @@ class CompileOptions:
             raise KiecError("gemv_tiles", self.gemv_tiles, "0 (FMAs over rows) or 1 (the matrix units)")
         if self.slot_groups is not None and self.slot_groups not in (1, 2):
             raise KiecError("slot_groups", self.slot_groups, "1 or 2")
+        if self.tile_accumulators is not None and self.tile_accumulators not in (1, 2, 4):
+            raise KiecError("tile_accumulators", self.tile_accumulators, "1, 2 or 4")
+        if self.l2_ahead is not None and not 0 <= self.l2_ahead <= 64:
+            raise KiecError("l2_ahead", self.l2_ahead, "0 to 64 ring chunks")
         if self.timing_only not in (None, 0, 1, 2):
             raise KiecError("timing_only", self.timing_only, "0, 1 (no weight copies) or 2 (no arithmetic)")
 

@@ -72,11 +72,19 @@ def test_generated_kernel_compiles(tmp_path, name, target):
 
 
 OPTION_TEXTS = ["gemv_tiles=0", "gemv_tiles=0,reduce_batch=1", "gemv_tiles=0,reduce_batch=16,warp_release=1",
-                "timing_only=1", "timing_only=2", "gemv_tiles=0,timing_only=2", "slot_groups=2"]
+                "timing_only=1", "timing_only=2", "gemv_tiles=0,timing_only=2", "slot_groups=2",
+                "tile_accumulators=1", "tile_accumulators=2", "l2_ahead=8"]
+
+
+def _option_fits(text: str, target) -> bool:
+    """Options a target refuses: tiled-only knobs where the matrices are rows, L2 prefetch without it."""
+    if "slot_groups" in text or "tile_accumulators" in text:
+        return target.gemv_tiles
+    return target.l2_prefetch or "l2_ahead" not in text
 
 
 @pytest.mark.parametrize("text,target", [(text, target) for text in OPTION_TEXTS for target in TARGETS
-                                         if TARGETS[target].gemv_tiles or "slot_groups" not in text])
+                                         if _option_fits(text, TARGETS[target])])
 def test_consumer_options_compile(tmp_path, text, target):
     _need(COMPILERS[target])
     spec = _spec(tmp_path, "tiny-qwen2-bias-tied").replace(target=target)

@@ -111,6 +111,8 @@ class Grid:
     warp_release: bool = False      # one arrive per consumer warp frees a slot (else one per thread)
     timing_only: int = 0            # 1: no weight copies, 2: no consumer arithmetic (outputs wrong)
     slot_groups: int = 1            # consumer warp groups taking turns at the ring's slots (tiled matrices)
+    tile_accumulators: int = 4      # independent accumulators a warp's tile products go round (tiled matrices)
+    l2_ahead: int = 0               # ring chunks the producer may prefetch into L2 while the ring is full
 
     @property
     def blocks_per_lane(self) -> int:

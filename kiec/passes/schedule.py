@@ -58,6 +58,11 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     slot_groups = options.slot_groups or 1
     if slot_groups > 1 and not tiled:
         raise KiecError("slot_groups", slot_groups, "1 where the matrices are not tiled (gemv_tiles=0 or the target)")
+    if options.tile_accumulators and not tiled:
+        raise KiecError("tile_accumulators", options.tile_accumulators,
+                        "unset where the matrices are not tiled (gemv_tiles=0 or the target)")
+    if options.l2_ahead and not target.l2_prefetch:
+        raise KiecError("l2_ahead", options.l2_ahead, f"0 on {target.name} (no bulk L2 prefetch)")
     if warps % slot_groups:
         raise KiecError("slot_groups", slot_groups, f"a divisor of the {warps} consumer warps")
     stages = []
@@ -111,7 +116,8 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
                 slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices,
                 reduce_batch=options.reduce_batch or 8, warp_release=bool(options.warp_release),
-                timing_only=options.timing_only or 0, slot_groups=slot_groups)
+                timing_only=options.timing_only or 0, slot_groups=slot_groups,
+                tile_accumulators=options.tile_accumulators or 4, l2_ahead=options.l2_ahead or 0)
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
 
@@ -171,7 +177,9 @@ def _scratch_bytes(s: Stage, warps: int) -> int:
         if s.kind in ("lm_head", "qkv", "gate_up"):
             partials = max(partials, g.cols)
         tiles_x = 2 * g.stride * 2 if g.tiled else 0      # x as the matrix units take it: rounded, and the rest
-        return 4 * g.stride + 4 * partials + tiles_x + 4 * 64
+        # x in fp32, except where a tiled attn_out or down writes only the tiled form (keeps_f32_x)
+        f32_x = 0 if g.tiled and s.kind in ("attn_out", "down") else 4 * g.stride
+        return f32_x + 4 * partials + tiles_x + 4 * 64
     group = s.attr("heads") // s.attr("kv_heads")
     hd = s.attr("head_dim")
     floats = group * hd + warps * group * hd + 2 * warps * group + 64

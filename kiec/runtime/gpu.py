@@ -218,27 +218,18 @@ class GpuBackend:
         return {i: flat[o:o + n * lanes].reshape(lanes, n) if lanes > 1 or self.sched.stages[i].kind != "lm_head"
                 else flat[o:o + n] for i, (o, n, lanes) in layout.items()}
 
-    def profile(self, tokens, start: int) -> dict:
-        """Where step 0 of a launch spends its cycles: per stage kind, the mean over tiles of
-        wait / prologue / stream / epilogue cycles, the tiles, and the producer's stall share."""
-        tokens = list(tokens)
-        self._launch(tokens, len(tokens), start, profile=True)
+    def profile(self, token: int, start: int, steps: int = 8) -> dict:
+        """Where a steady-state step spends its time: a launch of `steps` steps from `token`, the middle
+        one stamped by the kernel (kiec.runtime.timeline). Returns the summary, plus "raw": the stamps
+        [stages, blocks, fields] in ns and "launch_ms"."""
+        from .timeline import FIELDS, summarize
+        self._launch([token], steps, start, profile=True)
         ms = self._finish()
-        stages, grid = len(self.sched.stages), self.sched.grid.blocks
-        raw = self.kernel.read(REGION_PROFILE, 0, 8 * (stages * grid * 5 + 2 * grid)).view(np.uint64)
-        per = raw[: stages * grid * 5].reshape(stages, grid, 5).astype(np.float64)
-        producer = raw[stages * grid * 5:].reshape(grid, 2).astype(np.float64)
-        out = {"launch_ms": ms, "kinds": {}}
-        for kind in sorted({s.kind for s in self.sched.stages}):
-            rows = [s.index for s in self.sched.stages if s.kind == kind]
-            block = per[rows]                                  # [stages of this kind, blocks, 5]
-            tiles = block[..., 4].sum()
-            out["kinds"][kind] = {"stages": len(rows), "tiles": int(tiles),
-                                  **{name: float(block[..., i].sum() / max(tiles, 1)) for i, name in
-                                     enumerate(("wait", "prologue", "stream", "epilogue"))},
-                                  "critical_wait": float(np.mean(block[..., 0].max(axis=1)))}
-        out["producer_wait_cycles_per_slot"] = float(producer[:, 0].sum() / max(producer[:, 1].sum(), 1))
-        out["producer_slots"] = int(producer[:, 1].sum())
+        stages, blocks = len(self.sched.stages), self.sched.grid.blocks
+        raw = self.kernel.read(REGION_PROFILE, 0, 8 * stages * blocks * len(FIELDS)).view(np.uint64)
+        raw = raw.reshape(stages, blocks, len(FIELDS)).copy()
+        out = summarize(raw, [s.kind for s in self.sched.stages])
+        out.update(launch_ms=ms, raw=raw)
         return out
 
     def generate_on_device(self, prompt, start: int, max_new: int, temperature: float = 0.0, seed: int = 0,
