@@ -104,6 +104,19 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
         signals=0, trace=trace[s.index][0])
 
 
+REGISTER_FILE = 65536      # 32-bit registers of a multiprocessor; one block holds them all
+
+
+def consumer_registers(target: Target, grid) -> int:
+    """Registers a consumer thread takes once the producer's warpgroup has given its own back: the
+    register file less the producer group's, split over the consumer threads, in steps of 8 (at most
+    240). 0 where the target does not move registers."""
+    if not target.producer_registers:
+        return 0
+    producer = target.producer_warps * target.warp_size * target.producer_registers
+    return min(240, (REGISTER_FILE - producer) // (grid.consumer_warps * target.warp_size) // 8 * 8)
+
+
 def render(sched: Schedule, target: Target, module_name: str) -> dict:
     cfg = sched.config
     trace, trace_floats = trace_layout(sched)
@@ -130,7 +143,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              w_device_total=w["__device_total"][0],
              a_h_mirror=a["h_mirror"][0] if "h_mirror" in a else 0,
              s_h_mirror=sy["h_mirror"][0] if "h_mirror" in sy else 0,
-             a_h=a["lane.h"][0], a_q=a["lane.q"][0], a_attn=a["lane.attn_out"][0], a_act=a["lane.act"][0],
+             a_q=a["lane.q"][0], a_attn=a["lane.attn_out"][0],
              a_part=a["lane.attn_partial"][0], a_lane_stride=a["__lane_stride"][0], a_logits=a["logits"][0],
              a_lm_best=a["lm_best"][0], a_total=a["__total"][0],
              a_inbox=a["lane.inbox"][0] if "lane.inbox" in a else 0, exchange_slots=cfg["exchange_slots"], exchange_tiles=cfg["exchange_tiles"],
@@ -138,8 +151,10 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              kv_k=kv["k"][0], kv_v=kv["v"][0], kv_layer_stride=kv["__layer_stride"][0],
              kv_lane_stride=kv["__lane_stride"][0], kv_total=kv["__total"][0],
              s_abort=sy["abort"][0], s_error=sy["error"][0], s_select=sy["select"][0], s_lm_ticket=sy["lm_ticket"][0],
-             s_lane_stride=sy["__lane_stride"][0], s_total=sy["__total"][0])
+             s_lane_stride=sy["__lane_stride"][0], s_total=sy["__total"][0],
+             s_h_tagged=sy["lane.h_tagged"][0], s_act_tagged=sy["lane.act_tagged"][0])
     context = dict(model=sched.model, version=__version__, target=target, grid=sched.grid, c=c, m=m,
+                   consumer_registers=consumer_registers(target, sched.grid),
                    stages=stages, stage_kinds=[(k, i) for i, k in enumerate(STAGE_KINDS)],
                    group_signals=group_signals or [0], trace_floats=trace_floats, module_name=module_name,
                    p=sched.prefill, prefill_off=cfg.get("prefill_off"))

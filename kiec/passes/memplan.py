@@ -13,7 +13,9 @@ Guarantees four regions, each a dict name -> (offset, bytes), 256-byte aligned:
   `packing` says how each entry is built from the graph's weights (kiec.pack applies it).
 - `acts`: fp32 activations, per lane (`lane_stride` apart) then shared (logits, ...).
 - `kv`: the KV cache per lane, [layer][kv head][position][head_dim], 16-bit.
-- `sync`: counters and flags, each on its own 128-byte line; shared ones first.
+- `sync`: counters and flags, each on its own 128-byte line; shared ones first. Each lane's part
+  also holds `h_tagged` and `act_tagged`: the residual and the FFN activation as 8-byte words of
+  value and writer's tag, which their readers check instead of waiting for a fenced counter.
 With several lanes, each lane also has an `inbox` (acts) of `exchange_slots` x 2 sublayers x
 lanes x D floats where its peers store their partials, and one line of per-sender flags per
 (slot, sublayer, tile) (`peer_flags`, sync). Exchange g (step x layers + layer) uses slot
@@ -113,10 +115,8 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     att = next(s for s in stages if s.kind == "attention")
     group = att.attr("heads") // att.attr("kv_heads")
     lane_acts = _Region()
-    lane_acts.add("h", 4 * cfg.hidden)
     lane_acts.add("q", 4 * att.attr("heads") * hd)
     lane_acts.add("attn_out", 4 * att.attr("heads") * hd)
-    lane_acts.add("act", 4 * max(s.attr("ffn") for s in stages if s.kind == "gate_up"))
     lane_acts.add("attn_partial", 4 * att.attr("kv_heads") * att.attr("splits") * group * (hd + 2))
     residual = [s for s in stages if s.kind in ("attn_out", "down")]
     if lanes > LINE // 4:
@@ -149,6 +149,10 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     if sched.grid.devices > 1:
         sync.add("h_mirror", LINE * lanes)
     lane_sync = _Region(align=LINE)
+    # the residual h and the FFN activation as tagged words (value, writer's tag): readers check the tag,
+    # so these live where the counters do and are cleared with them (a tag from before a reset never matches)
+    lane_sync.add("h_tagged", 8 * cfg.hidden)
+    lane_sync.add("act_tagged", 8 * max(s.attr("ffn") for s in stages if s.kind == "gate_up"))
     for s in stages:
         if s.kind not in ("qkv", "lm_head"):     # qkv signals per KV group; the LM head selects
             lane_sync.add(f"done.{s.index}", LINE)
