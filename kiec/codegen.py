@@ -152,7 +152,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              kv_lane_stride=kv["__lane_stride"][0], kv_total=kv["__total"][0],
              s_abort=sy["abort"][0], s_error=sy["error"][0], s_select=sy["select"][0], s_lm_ticket=sy["lm_ticket"][0],
              s_lane_stride=sy["__lane_stride"][0], s_total=sy["__total"][0],
-             s_h_tagged=sy["lane.h_tagged"][0], s_act_tagged=sy["lane.act_tagged"][0])
+             s_h_marked=sy["lane.h_marked"][0], s_act_marked=sy["lane.act_marked"][0])
     context = dict(model=sched.model, version=__version__, target=target, grid=sched.grid, c=c, m=m,
                    consumer_registers=consumer_registers(target, sched.grid),
                    stages=stages, stage_kinds=[(k, i) for i, k in enumerate(STAGE_KINDS)],

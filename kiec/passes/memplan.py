@@ -14,8 +14,8 @@ Guarantees four regions, each a dict name -> (offset, bytes), 256-byte aligned:
 - `acts`: fp32 activations, per lane (`lane_stride` apart) then shared (logits, ...).
 - `kv`: the KV cache per lane, [layer][kv head][position][head_dim], 16-bit.
 - `sync`: counters and flags, each on its own 128-byte line; shared ones first. Each lane's part
-  also holds `h_tagged` and `act_tagged`: the residual and the FFN activation as 8-byte words of
-  value and writer's tag, which their readers check instead of waiting for a fenced counter.
+  also holds `h_marked` and `act_marked`: the residual and the FFN activation, fp32 values whose
+  lowest bit marks the write that stored them, which readers check instead of a fenced counter.
 With several lanes, each lane also has an `inbox` (acts) of `exchange_slots` x 2 sublayers x
 lanes x D floats where its peers store their partials, and one line of per-sender flags per
 (slot, sublayer, tile) (`peer_flags`, sync). Exchange g (step x layers + layer) uses slot
@@ -149,10 +149,10 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     if sched.grid.devices > 1:
         sync.add("h_mirror", LINE * lanes)
     lane_sync = _Region(align=LINE)
-    # the residual h and the FFN activation as tagged words (value, writer's tag): readers check the tag,
-    # so these live where the counters do and are cleared with them (a tag from before a reset never matches)
-    lane_sync.add("h_tagged", 8 * cfg.hidden)
-    lane_sync.add("act_tagged", 8 * max(s.attr("ffn") for s in stages if s.kind == "gate_up"))
+    # the residual h and the FFN activation, fp32 values whose lowest bit marks their write: readers check
+    # the mark, so these live where the counters do and are cleared with them (a cleared value never passes)
+    lane_sync.add("h_marked", 4 * cfg.hidden)
+    lane_sync.add("act_marked", 4 * max(s.attr("ffn") for s in stages if s.kind == "gate_up"))
     for s in stages:
         if s.kind not in ("qkv", "lm_head"):     # qkv signals per KV group; the LM head selects
             lane_sync.add(f"done.{s.index}", LINE)

@@ -180,7 +180,7 @@ class GpuBackend:
     def _device_error(self, record) -> DeviceError:
         code, stage, layer, tile, block, target, seen, step = record
         kinds = {1: "a counter wait timed out", 2: "a weight-ring wait timed out", 3: "an unknown stage kind",
-                 4: "an activation's tag never came (wait timed out)"}
+                 4: "an activation's mark never came (wait timed out)"}
         where = self.sched.stages[stage].name if stage < len(self.sched.stages) else f"stage {stage}"
         return DeviceError("kernel", f"{kinds.get(code, f'error {code}')} in {where} (layer {layer}), tile {tile}, "
                            f"block {block}, step {step}", "a launch that completes",
