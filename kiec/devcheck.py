@@ -30,10 +30,6 @@ DEFAULT_MODELS = "tiny-llama,tiny-qwen2,tiny-mistral,llama-3.2-1b,qwen2.5-1.5b"
 SEQ = {"tiny-llama": 512, "tiny-qwen2": 512, "tiny-mistral": 600, "llama-3.2-1b": 8192, "qwen2.5-1.5b": 1024}
 
 
-def _slug(text: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in text)[:80]
-
-
 def model_spec(name: str, root: Path):
     from .model import load_spec
     from .synthetic import preset
@@ -151,12 +147,13 @@ def time_model(backend, spec, label: str, out_dir: Path | None) -> dict:
     if spec.max_seq_len >= 8192:
         backend._launch([1], 64, 8192 - 64)
         res["ms_per_token_ctx8192"] = backend._finish() / 64
+    from .runtime.gpu import slug
     prof = backend.profile(1, 200)
     raw = prof.pop("raw")
     if out_dir is not None:
-        np.save(out_dir / f"profile-{_slug(label)}.npy", raw)
+        np.save(out_dir / f"profile-{slug(label)}.npy", raw)
     res["profile"] = prof
-    res["profile_text"] = f"  profile of step 4 of 8 (launch {prof['launch_ms']:.3f} ms):\n" + format_summary(prof)
+    res["profile_text"] = f"  profile of step {prof['step']} of {prof['steps']} (launch {prof['launch_ms']:.3f} ms):\n" + format_summary(prof)
     return res
 
 

@@ -88,7 +88,7 @@ class CompiledModel:
         self.spec = spec
         self.target = get_target(spec.target)
         self.graph, self.sched, self.files, self.name = render_sources(spec, multiprocessors, dump, options)
-        folder = (build_root or cache_dir() / "build") / f"{_slug(spec.name)}-{self.name[5:]}"
+        folder = (build_root or cache_dir() / "build") / f"{slug(spec.name)}-{self.name[5:]}"
         t0 = time.perf_counter()
         self.build = build(self.files, self.target, folder, self.name, quiet=quiet)
         self.build_s = time.perf_counter() - t0
@@ -101,7 +101,8 @@ class CompiledModel:
             shutil.copy(self.build.module_path, dump / self.build.module_path.name)
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
+    """A name as a file name: letters, digits and -_. kept, the rest '-'."""
     return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in name)[:48]
 
 
@@ -221,8 +222,8 @@ class GpuBackend:
 
     def profile(self, token: int, start: int, steps: int = 8) -> dict:
         """Where a steady-state step spends its time: a launch of `steps` steps from `token`, the middle
-        one stamped by the kernel (kiec.runtime.timeline). Returns the summary, plus "raw": the stamps
-        [stages, blocks, fields] in ns and "launch_ms"."""
+        one (`steps // 2`) stamped by the kernel (kiec.runtime.timeline). Returns the summary, plus "raw":
+        the stamps [stages, blocks, fields] in ns, "launch_ms", "step" and "steps"."""
         from .timeline import FIELDS, summarize
         self._launch([token], steps, start, profile=True)
         ms = self._finish()
@@ -230,7 +231,7 @@ class GpuBackend:
         raw = self.kernel.read(REGION_PROFILE, 0, 8 * stages * blocks * len(FIELDS)).view(np.uint64)
         raw = raw.reshape(stages, blocks, len(FIELDS)).copy()
         out = summarize(raw, [s.kind for s in self.sched.stages])
-        out.update(launch_ms=ms, raw=raw)
+        out.update(launch_ms=ms, raw=raw, step=steps // 2, steps=steps)
         return out
 
     def generate_on_device(self, prompt, start: int, max_new: int, temperature: float = 0.0, seed: int = 0,
