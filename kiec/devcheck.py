@@ -10,6 +10,12 @@ two identical runs, and that one launch for a whole sequence selects the same to
 one launch per step. With --bench it measures the read bandwidth and ms/token; each of
 --variants (compile options) is built for --variant-model, checked against the default
 build's logits and timed. It prints a short table last and writes DIR/devcheck.json.
+
+Builds of one model are timed in --rounds interleaved rounds (the default build, then each
+variant, then again), medians reported: two builds of nearly the same kernel differ by about 1%
+through code layout alone, and a drift of the device over the run would otherwise favour
+whichever build ran first. Each build's profile is set beside its unprofiled launches
+(`profile_overhead`: how much slower the profiled step ran than an unprofiled one there).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import KiecError
 from .runtime.timeline import format_summary
 
 DEFAULT_MODELS = "tiny-llama,tiny-qwen2,tiny-mistral,llama-3.2-1b,qwen2.5-1.5b"
@@ -40,8 +47,9 @@ def model_spec(name: str, root: Path):
     return load_spec({"name": name, "weights": str(folder), "max_seq_len": SEQ.get(name, 1024)}), cfg
 
 
-def check_variant(name, spec, ckpt, compiled, options, reference_logits, log, out_dir: Path) -> dict:
-    """A build with other compile options: same logits as the default build (to bf16 noise), and its times."""
+def check_variant(name, spec, ckpt, compiled, options, reference_logits, log):
+    """A build with other compile options: same logits as the default build (to bf16 noise). Returns
+    the results and the backend (for time_builds)."""
     from .golden import logit_errors
     from .runtime.gpu import GpuBackend
     backend = GpuBackend(spec, checkpoint=ckpt, compiled=compiled, timeout_s=3.0)
@@ -52,13 +60,12 @@ def check_variant(name, spec, ckpt, compiled, options, reference_logits, log, ou
            "stage_err": {"vs default": float(f"{errs.max():.3g}")}, "first_bad_stage": None,
            "tf_max_err": float(f"{errs.max():.3g}"), "tf_argmax_agree": agree, "bitwise_repeat": None,
            "device_loop_equal": None, "slots": compiled.sched.grid.slots}
-    out.update(time_model(backend, spec, out["model"], out_dir))
     log(f"{out['model']}: vs default {errs.max():.3g}, slots {out['slots']}")
-    log(out["profile_text"])
-    return out
+    return out, backend
 
 
-def check_model(name, spec, cfg, compiled, bench: bool, log, out_dir: Path, keep: dict | None = None) -> dict:
+def check_model(name, spec, cfg, compiled, log, keep: dict | None = None):
+    """Every check of one build against the twin. Returns the results and the backend."""
     from .golden import logit_errors, rel_err, stage_diffs
     from .pack import pack_weights
     from .reference.twin import Twin
@@ -125,36 +132,61 @@ def check_model(name, spec, cfg, compiled, bench: bool, log, out_dir: Path, keep
     if not out["device_loop_equal"]:
         out["device_tokens"], out["host_tokens"] = device_tokens, host_tokens
     log(f"{name}: tf err {out['tf_max_err']} agree {agree} repeat {out['bitwise_repeat']} loop {out['device_loop_equal']}")
-    if bench:
-        out.update(time_model(backend, spec, name, out_dir))
-        log(out["profile_text"])
-    return out
+    return out, backend
 
 
-def time_model(backend, spec, label: str, out_dir: Path | None) -> dict:
-    """ms/token: one launch per step, and one launch for 256 steps, at short context; the profile of a
-    steady-state step (its raw stamps saved as out_dir/profile-LABEL.npy)."""
-    res = {}
-    start = 16
+PROFILE_AT = 200        # the position of the profile's launch, and of the 8-step launches beside it
+
+
+def time_round(backend, max_seq_len: int) -> dict:
+    """One round of ms/token: single-step launches (one per step) and one 256-step launch (one per
+    sequence) at short context, 8-step launches at the profile's position, 64 steps at context 8192."""
     per_step = []
-    for i in range(40):
-        backend._launch([1 + i], 1, start + i)
+    for i in range(15):
+        backend._launch([1 + i], 1, 16 + i)
         per_step.append(backend._finish())
-    res["ms_per_token_launch_per_step"] = float(np.median(per_step[10:]))
+    res = {"ms_per_token_launch_per_step": float(np.median(per_step[5:]))}
     backend._launch([1], 256, 128)
-    ms = backend._finish()
-    res["ms_per_token_one_launch"] = ms / 256
-    if spec.max_seq_len >= 8192:
+    res["ms_per_token_one_launch"] = backend._finish() / 256
+    eights = []
+    for _ in range(3):
+        backend._launch([1], 8, PROFILE_AT)
+        eights.append(backend._finish() / 8)
+    res["ms_per_token_8_steps"] = float(np.median(eights))
+    if max_seq_len >= 8192:
         backend._launch([1], 64, 8192 - 64)
         res["ms_per_token_ctx8192"] = backend._finish() / 64
-    from .runtime.gpu import slug
-    prof = backend.profile(1, 200)
-    raw = prof.pop("raw")
-    if out_dir is not None:
-        np.save(out_dir / f"profile-{slug(label)}.npy", raw)
-    res["profile"] = prof
-    res["profile_text"] = f"  profile of step {prof['step']} of {prof['steps']} (launch {prof['launch_ms']:.3f} ms):\n" + format_summary(prof)
     return res
+
+
+def time_builds(builds: dict, rounds: int, out_dir: Path | None, log) -> dict:
+    """builds: label -> (backend, max_seq_len), builds of one model. Interleaved rounds of time_round,
+    then each build's profile (its raw stamps saved as out_dir/profile-LABEL.npy). Returns label ->
+    medians over the rounds, the profile and its overhead."""
+    from .runtime.gpu import slug
+    samples = {label: [] for label in builds}
+    for _ in range(rounds):
+        for label, (backend, max_seq_len) in builds.items():
+            samples[label].append(time_round(backend, max_seq_len))
+    out = {}
+    for label, (backend, _) in builds.items():
+        res = {key: float(np.median([s[key] for s in samples[label]])) for key in samples[label][0]}
+        res["rounds"] = rounds
+        prof = backend.profile(1, PROFILE_AT)
+        raw = prof.pop("raw")
+        if out_dir is not None:
+            np.save(out_dir / f"profile-{slug(label)}.npy", raw)
+        res["profile"] = prof
+        # an unprofiled 8-step launch's mean step (its first step starts cold) against the profiled step
+        res["profile_overhead"] = prof["step_us"] / (1e3 * res["ms_per_token_8_steps"]) - 1
+        res["profile_text"] = (f"  profile of step {prof['step']} of {prof['steps']} (launch {prof['launch_ms']:.3f} ms; "
+                               f"{prof['step_us']:.1f} us against {1e3 * res['ms_per_token_8_steps']:.1f} a step unprofiled, "
+                               f"{100 * res['profile_overhead']:+.1f}%):\n" + format_summary(prof))
+        log(f"{label}: {res['ms_per_token_one_launch']:.4f} ms/token one launch, "
+            f"{res['ms_per_token_launch_per_step']:.4f} one launch per step (medians of {rounds} rounds)")
+        log(res["profile_text"])
+        out[label] = res
+    return out
 
 
 def main(argv=None) -> int:
@@ -164,7 +196,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--variants", default="", help="';'-separated compile options to build and time")
     ap.add_argument("--variant-model", default="llama-3.2-1b")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of each build (medians reported)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        raise KiecError("--rounds", args.rounds, "at least 1")
     from .options import CompileOptions
     variants = [CompileOptions.parse(v) for v in args.variants.split(";") if v.strip()]
     out_dir = Path(args.out)
@@ -193,12 +228,19 @@ def main(argv=None) -> int:
                            for v in variants]
     results["models"] = []
     kept: dict = {}
+    together: dict = {}        # the variant model's builds, timed in the same rounds: label -> (backend, max_seq_len)
     for n in names:
         try:
             compiled = futures[n].result()
             log(f"{n}: built in {compiled.build_s:.1f} s; {compiled.build.report.splitlines()[-1]}")
-            results["models"].append(check_model(n, *specs[n], compiled, args.bench, log, out_dir,
-                                                 kept if n == args.variant_model else None))
+            out, backend = check_model(n, *specs[n], compiled, log, kept if n == args.variant_model else None)
+            results["models"].append(out)
+            build = {n: (backend, specs[n][0].max_seq_len)}
+            if n == args.variant_model and variants:
+                together.update(build)
+            elif args.bench:
+                out.update(time_builds(build, args.rounds, out_dir, log)[n])
+            del backend, build
         except Exception as err:
             log(f"{n}: FAILED {type(err).__name__}: {err}")
             log(traceback.format_exc())
@@ -207,12 +249,25 @@ def main(argv=None) -> int:
     for options, future in zip(variants, variant_futures):
         try:
             spec = specs[args.variant_model][0]
-            results["models"].append(check_variant(args.variant_model, spec, kept["ckpt"], future.result(), options,
-                                                   kept["logits"], log, out_dir))
+            out, backend = check_variant(args.variant_model, spec, kept["ckpt"], future.result(), options,
+                                         kept["logits"], log)
+            results["models"].append(out)
+            together[out["model"]] = (backend, spec.max_seq_len)
+            del backend
         except Exception as err:
             log(f"variant {options}: FAILED {type(err).__name__}: {err}")
             log(traceback.format_exc())
             results["models"].append({"model": f"{args.variant_model}[{options.label()}]", "error": str(err)[:2000]})
+        (out_dir / "devcheck.json").write_text(json.dumps(results, indent=1, default=str))
+    if together:
+        try:
+            times = time_builds(together, args.rounds, out_dir, log)
+            for r in results["models"]:
+                r.update(times.get(r["model"], {}))
+        except Exception as err:
+            log(f"timing {', '.join(together)}: FAILED {type(err).__name__}: {err}")
+            log(traceback.format_exc())
+        together.clear()
         (out_dir / "devcheck.json").write_text(json.dumps(results, indent=1, default=str))
     print("\nmodel                            stage-err(max)  first-bad                tf-err   agree  repeat loop   ms/tok(step) ms/tok(seq)")
     for r in results["models"]:
