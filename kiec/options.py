@@ -19,6 +19,7 @@ class CompileOptions:
     slot_groups: int | None = None      # consumer warp groups taking turns at the ring's slots (None: 1; tiled only)
     tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 4; tiled only)
     l2_ahead: int | None = None         # ring chunks the producer may prefetch into L2 while the ring is full (None: 0)
+    kv_in_flight: int | None = None     # K and V rows an attention lane has in flight: 1, 2 or 4, 2 and 4 with the next batch's prefetched (None: by query group)
     # timing only, the outputs are wrong: 1 leaves the weight copies out (the consumers' own pace),
     # 2 leaves the consumers' arithmetic out (the stream and the handshakes alone)
     timing_only: int | None = None
@@ -44,6 +45,8 @@ class CompileOptions:
             raise KiecError("tile_accumulators", self.tile_accumulators, "1, 2 or 4")
         if self.l2_ahead is not None and not 0 <= self.l2_ahead <= 64:
             raise KiecError("l2_ahead", self.l2_ahead, "0 to 64 ring chunks")
+        if self.kv_in_flight not in (None, 1, 2, 4):
+            raise KiecError("kv_in_flight", self.kv_in_flight, "1, 2 or 4 K and V rows a lane has in flight")
         if self.timing_only not in (None, 0, 1, 2):
             raise KiecError("timing_only", self.timing_only, "0, 1 (no weight copies) or 2 (no arithmetic)")
 

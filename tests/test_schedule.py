@@ -84,6 +84,18 @@ def test_schedule_tiles_cover_rows_and_fit_shared_memory(models, name, target):
         assert g.unit_bytes <= grid.slot_bytes
 
 
+def test_kv_in_flight_sets_the_attention_batch(models):
+    spec = spec_of(models["tiny-qwen2"])
+    lanes_per_key = 1 << (spec.config.head_dim // 8 - 1).bit_length()     # a lane loads 8 of a key's values
+    warps, keys_per_pass = 8, 32 // lanes_per_key
+    for text, rows, prefetch in (("kv_in_flight=1", 1, False), ("kv_in_flight=2", 1, True), ("kv_in_flight=4", 2, True)):
+        _, sched = build_schedule(spec, options=CompileOptions.parse(text))
+        att = next(s for s in sched.stages if s.kind == "attention")
+        assert (att.attr("rows"), att.attr("prefetch"), att.attr("batch")) == (rows, prefetch, warps * keys_per_pass * rows)
+    with pytest.raises(KiecError, match="kv_in_flight"):
+        CompileOptions.parse("kv_in_flight=3")
+
+
 def test_attention_waits_for_exactly_the_qkv_tiles_of_its_group(models):
     spec = spec_of(models["tiny-qwen2"])
     _, sched = build_schedule(spec)

@@ -82,9 +82,11 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             if lanes_per_key > target.warp_size:
                 raise KiecError("config.head_dim", s.attr("head_dim"), f"at most {8 * target.warp_size} on {target.name}")
             # registers hold the rows in flight x 2 loads and group x 8 accumulators: fewer rows for
-            # bigger groups; two rows or more are half this batch, half the next one (prefetch)
+            # bigger groups; two rows or more are half this batch, half the next one (prefetch).
+            # kv_in_flight overrides it: where the consumers take the producer's registers (setmaxnreg)
+            # a group of 4 compiles with 4 rows in flight and no spills
             group = s.attr("heads") // s.attr("kv_heads")
-            in_flight = 4 if group <= 2 else 2 if group == 3 else 1
+            in_flight = options.kv_in_flight or (4 if group <= 2 else 2 if group == 3 else 1)
             prefetch = in_flight > 1
             rows = in_flight // 2 if prefetch else 1
             batch = warps * (target.warp_size // lanes_per_key) * rows
