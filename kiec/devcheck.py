@@ -162,17 +162,33 @@ def time_round(backend, max_seq_len: int) -> dict:
 def time_builds(builds: dict, rounds: int, out_dir: Path | None, log) -> dict:
     """builds: label -> (backend, max_seq_len), builds of one model. Interleaved rounds of time_round,
     then each build's profile (its raw stamps saved as out_dir/profile-LABEL.npy). Returns label ->
-    medians over the rounds, the profile and its overhead."""
+    medians over the rounds, the profile and its overhead; or a build's `timing_error`, which leaves
+    the others timed."""
     from .runtime.gpu import slug
     samples = {label: [] for label in builds}
+    out = {}
+
+    def failed(label, err):
+        out[label] = {"timing_error": f"{type(err).__name__}: {err}"[:2000]}
+        log(f"{label}: timing FAILED {out[label]['timing_error']}")
     for _ in range(rounds):
         for label, (backend, max_seq_len) in builds.items():
-            samples[label].append(time_round(backend, max_seq_len))
-    out = {}
+            if label in out:
+                continue
+            try:
+                samples[label].append(time_round(backend, max_seq_len))
+            except Exception as err:
+                failed(label, err)
     for label, (backend, _) in builds.items():
+        if label in out:
+            continue
         res = {key: float(np.median([s[key] for s in samples[label]])) for key in samples[label][0]}
         res["rounds"] = rounds
-        prof = backend.profile(1, PROFILE_AT)
+        try:
+            prof = backend.profile(1, PROFILE_AT)
+        except Exception as err:
+            failed(label, err)
+            continue
         raw = prof.pop("raw")
         if out_dir is not None:
             np.save(out_dir / f"profile-{slug(label)}.npy", raw)
