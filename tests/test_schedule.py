@@ -96,6 +96,18 @@ def test_kv_in_flight_sets_the_attention_batch(models):
         CompileOptions.parse("kv_in_flight=3")
 
 
+def test_rows_in_flight_follow_the_consumers_registers(models):
+    # two rows a lane (4 in flight, prefetched) for any group where the consumers take the producer's
+    # registers (NVIDIA); where they cannot (AMD), fewer rows for bigger groups
+    for name, group, amd_rows, amd_prefetch in (("tiny-llama", 2, 2, True), ("tiny-qwen2", 3, 1, True),
+                                                ("tiny-mistral", 4, 1, False)):
+        for target, rows, prefetch in (("cuda:sm_90", 2, True), ("hip:gfx942", amd_rows, amd_prefetch)):
+            _, sched = build_schedule(spec_of(models[name], target=target))
+            att = next(s for s in sched.stages if s.kind == "attention")
+            assert att.attr("heads") // att.attr("kv_heads") == group
+            assert (att.attr("rows"), att.attr("prefetch")) == (rows, prefetch), (name, target)
+
+
 def test_attention_waits_for_exactly_the_qkv_tiles_of_its_group(models):
     spec = spec_of(models["tiny-qwen2"])
     _, sched = build_schedule(spec)
