@@ -51,7 +51,7 @@ def warp_product(tile: np.ndarray, xt: np.ndarray, col_tile: int) -> np.ndarray:
     for lane in range(32):
         for (row, k), value in zip(a_fragment(lane), flat[lane * 8:lane * 8 + 8]):
             a[row, k] = value
-        halves = xt[col_tile * 2 * TILE_COLS + lane * 4:][:4] if lane < 16 else np.zeros(4)
+        halves = xt[col_tile * 2 * TILE_COLS + lane % 16 * 4:][:4]      # lanes 16-31 load what 0-15 do
         for (k, n), value in zip(b_fragment(lane), halves):
             b[k, n] = value
     return a @ b
@@ -79,6 +79,10 @@ def test_one_product_per_tile_gives_each_row_s_dot_product(seed):
                      for r in range(TILE_ROWS)])
     want = w @ (hi + lo)
     assert np.allclose(rows, want, rtol=1e-12, atol=1e-12)
+    # lanes 16-31 (B's columns 4-7) reach only D's columns 4-7, which the flush never reads
+    assert all(col < 4 for lane in range(0, 32, 4) for _, col in d_fragment(lane)[:2])
+    assert all(col < 4 for lane in range(1, 32, 4) for _, col in d_fragment(lane)[2:])
+    assert {n for lane in range(16, 32) for _, n in b_fragment(lane)} == {4, 5, 6, 7}
     # x's two halves keep about 16 bits: far closer to w @ x than the rounding alone
     exact = w @ x.astype(np.float64)
     assert np.abs(rows - exact).max() < 1e-3 * np.abs(exact).max()
