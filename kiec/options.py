@@ -20,6 +20,7 @@ class CompileOptions:
     tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 4; tiled only)
     l2_ahead: int | None = None         # ring chunks the producer may prefetch into L2 while the ring is full (None: 0)
     kv_in_flight: int | None = None     # K and V rows an attention lane has in flight: 1, 2 or 4, 2 and 4 with the next batch's prefetched (None: by query group)
+    heads_per_pass: int | None = None   # at most this many query heads an attention pass over the keys scores, 1-8 (None: 4)
     # timing only, the outputs are wrong: 1 leaves the weight copies out (the consumers' own pace),
     # 2 leaves the consumers' arithmetic out (the stream and the handshakes alone)
     timing_only: int | None = None
@@ -47,6 +48,8 @@ class CompileOptions:
             raise KiecError("l2_ahead", self.l2_ahead, "0 to 64 ring chunks")
         if self.kv_in_flight not in (None, 1, 2, 4):
             raise KiecError("kv_in_flight", self.kv_in_flight, "1, 2 or 4 K and V rows a lane has in flight")
+        if self.heads_per_pass is not None and not 1 <= self.heads_per_pass <= 8:
+            raise KiecError("heads_per_pass", self.heads_per_pass, "1 to 8 query heads a pass over the keys scores")
         if self.timing_only not in (None, 0, 1, 2):
             raise KiecError("timing_only", self.timing_only, "0, 1 (no weight copies) or 2 (no arithmetic)")
 

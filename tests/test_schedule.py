@@ -108,6 +108,20 @@ def test_rows_in_flight_follow_the_consumers_registers(models):
             assert (att.attr("rows"), att.attr("prefetch")) == (rows, prefetch), (name, target)
 
 
+def test_heads_per_pass_spreads_a_group_evenly_over_the_passes(tmp_path):
+    # a query group of 6: 4 heads a pass at most by default (2 passes of 3), or one pass of 6
+    folder = write_random_model(tmp_path / "g6", preset("tiny-qwen2", num_attention_heads=12, num_key_value_heads=2),
+                                seed=3, dtype="bf16")
+    for text, pass_heads in (("", 3), ("heads_per_pass=8", 6), ("heads_per_pass=6", 6), ("heads_per_pass=5", 3),
+                             ("heads_per_pass=1", 1)):
+        _, sched = build_schedule(spec_of(folder), options=CompileOptions.parse(text))
+        att = next(s for s in sched.stages if s.kind == "attention")
+        assert att.attr("heads") // att.attr("kv_heads") == 6
+        assert att.attr("pass_heads") == pass_heads, text
+    with pytest.raises(KiecError, match="heads_per_pass"):
+        CompileOptions.parse("heads_per_pass=9")
+
+
 def test_attention_waits_for_exactly_the_qkv_tiles_of_its_group(models):
     spec = spec_of(models["tiny-qwen2"])
     _, sched = build_schedule(spec)

@@ -18,7 +18,9 @@ Guarantees:
   block of the lane: `splits` per KV head. The split length is chosen per step from the
   context (`attention_splits`): whole batches (one pass of every consumer warp: warps x keys
   a warp reads at once x rows a lane loads), as few splits as fill the lane's blocks, so a
-  long context costs each block one tile and the combine reads at most `splits` partials;
+  long context costs each block one tile and the combine reads at most `splits` partials; a pass
+  over the keys scores `pass_heads` query heads, the group spread evenly over as few passes as
+  `heads_per_pass` (4) allows;
 - tile t of a stage runs on block (t + rotation) % blocks, the rotation carrying on
   from the previous stage, so small stages land on different blocks;
 - shared memory holds the ring of weight slots plus one scratch area (input vector,
@@ -93,7 +95,11 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             rows = in_flight // 2 if prefetch else 1
             batch = warps * (target.warp_size // lanes_per_key) * rows
             splits = max(1, min(per_lane // s.attr("kv_heads"), -(-max_seq_len // batch)))
-            attrs = dict(s.attrs, splits=splits, batch=batch, rows=rows, prefetch=prefetch)
+            # a pass over the keys scores up to heads_per_pass query heads (8 accumulators each); a bigger
+            # group takes several passes, each loading the keys again, with the heads spread evenly
+            passes = -(-group // (options.heads_per_pass or 4))
+            attrs = dict(s.attrs, splits=splits, batch=batch, rows=rows, prefetch=prefetch,
+                         pass_heads=-(-group // passes))
             stages.append(dataclasses.replace(s, tiles=s.attr("kv_heads") * splits,
                                               attrs=tuple(sorted(attrs.items()))))
         else:
