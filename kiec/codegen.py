@@ -76,11 +76,13 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
         flags |= 64          # the last residual: mirrored to every device for the LM head
     prev = sched.stages[s.index - 1] if s.index else None
     # every stage waits for all of the one before it, except attention (its KV group's qkv tiles)
-    # and layer 0's qkv (the token); an attention stage signals once per KV group
+    # and layer 0's qkv (the token); an attention stage signals once per KV group, or once per split
+    # tile where attn_out combines the splits
     wait, wait_count = NONE, 0
     if prev is not None and s.kind != "attention":
         wait = sync[f"lane.done.{prev.index}"][0]
-        wait_count = prev.attr("kv_heads") if prev.kind == "attention" else prev.tiles
+        folded = prev.kind == "attention" and prev.attr("combine_in_attn_out")
+        wait_count = prev.attr("kv_heads") if prev.kind == "attention" and not folded else prev.tiles
     norm = {"qkv": "attn_norm", "gate_up": "ffn_norm"}.get(s.kind)
     groups = tickets = 0
     if s.kind == "qkv":
@@ -137,7 +139,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              group=att.attr("heads") // att.attr("kv_heads"), kv_heads=att.attr("kv_heads"), heads=att.attr("heads"),
              vocab=cfg["vocab"], max_seq=cfg["max_seq_len"], layers=cfg["layers"], batch=att.attr("batch"),
              splits=att.attr("splits"), attention_rows=att.attr("rows"), attention_prefetch=att.attr("prefetch"),
-             attention_pass_heads=att.attr("pass_heads"), x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
+             attention_pass_heads=att.attr("pass_heads"), combine_in_attn_out=att.attr("combine_in_attn_out"), x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
              gemv_tiles=all(s.gemv.tiled for s in sched.gemv_stages()), tile_rows=TILE_ROWS, tile_cols=TILE_COLS)
     m = dict(w_embed=w["embed"][0], w_final_norm=w["final_norm"][0], w_rope=w["rope"][0],
              w_lanes_base=w["__lanes_base"][0], w_lane_stride=w["__lane_stride"][0], w_total=w["__total"][0],

@@ -21,6 +21,7 @@ class CompileOptions:
     l2_ahead: int | None = None         # ring chunks the producer may prefetch into L2 while the ring is full (None: 0)
     kv_in_flight: int | None = None     # K and V rows an attention lane has in flight: 1, 2 or 4, 2 and 4 with the next batch's prefetched (None: by query group)
     heads_per_pass: int | None = None   # at most this many query heads an attention pass over the keys scores, 1-8 (None: 4)
+    combine_in_attn_out: int | None = None  # 1: attn_out's prologue combines attention's splits (no last-split combine; None/0: the last split does)
     # timing only, the outputs are wrong: 1 leaves the weight copies out (the consumers' own pace),
     # 2 leaves the consumers' arithmetic out (the stream and the handshakes alone)
     timing_only: int | None = None
@@ -50,6 +51,8 @@ class CompileOptions:
             raise KiecError("kv_in_flight", self.kv_in_flight, "1, 2 or 4 K and V rows a lane has in flight")
         if self.heads_per_pass is not None and not 1 <= self.heads_per_pass <= 8:
             raise KiecError("heads_per_pass", self.heads_per_pass, "1 to 8 query heads a pass over the keys scores")
+        if self.combine_in_attn_out not in (None, 0, 1):
+            raise KiecError("combine_in_attn_out", self.combine_in_attn_out, "0 (the last split combines) or 1 (attn_out does)")
         if self.timing_only not in (None, 0, 1, 2):
             raise KiecError("timing_only", self.timing_only, "0, 1 (no weight copies) or 2 (no arithmetic)")
 

@@ -73,7 +73,8 @@ def test_generated_kernel_compiles(tmp_path, name, target):
 
 OPTION_TEXTS = ["gemv_tiles=0", "gemv_tiles=0,reduce_batch=1", "gemv_tiles=0,reduce_batch=16,warp_release=1",
                 "timing_only=1", "timing_only=2", "gemv_tiles=0,timing_only=2", "slot_groups=2",
-                "tile_accumulators=1", "tile_accumulators=2", "l2_ahead=8", "kv_in_flight=4", "heads_per_pass=2"]
+                "tile_accumulators=1", "tile_accumulators=2", "l2_ahead=8", "kv_in_flight=4", "heads_per_pass=2",
+                "combine_in_attn_out=1"]
 
 
 def _option_fits(text: str, target) -> bool:
@@ -92,6 +93,22 @@ def test_consumer_options_compile(tmp_path, text, target):
     report = check(files, get_target(target), tmp_path / "build")
     if target == "cuda:sm_90":
         assert "0 bytes spill stores" in report, report
+
+
+def test_attn_out_waits_for_every_split_tile_where_it_combines_them(tmp_path):
+    from kiec.codegen import _stage_entry, trace_layout
+    spec = _spec(tmp_path, "tiny-mistral-window-kv1-hd32")          # one KV head, several splits
+    for text in ("", "combine_in_attn_out=1"):
+        _, sched, files, _ = render_sources(spec, options=CompileOptions.parse(text))
+        trace, _ = trace_layout(sched)
+        outs = [s for s in sched.stages if s.kind == "attn_out"]
+        assert outs
+        for s in outs:
+            att = sched.stages[s.index - 1]
+            assert att.tiles > att.attr("kv_heads")
+            want = att.tiles if text else att.attr("kv_heads")
+            assert _stage_entry(sched, s, trace, False)["wait_count"] == want, text
+        assert ("constexpr bool COMBINE_IN_ATTN_OUT = true;" in files["kernel.hip"]) == bool(text)
 
 
 def test_generated_source_is_readable_and_in_sync_with_the_stage_table(tmp_path):

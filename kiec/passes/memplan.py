@@ -117,7 +117,8 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     lane_acts = _Region()
     lane_acts.add("q", 4 * att.attr("heads") * hd)
     lane_acts.add("attn_out", 4 * att.attr("heads") * hd)
-    lane_acts.add("attn_partial", 4 * att.attr("kv_heads") * att.attr("splits") * group * (hd + 2))
+    # a split's partial of a query head: o, m and l, padded to 16-byte rows (stage_attention.j2's PART_ROW)
+    lane_acts.add("attn_partial", 4 * att.attr("kv_heads") * att.attr("splits") * group * (hd + 4))
     residual = [s for s in stages if s.kind in ("attn_out", "down")]
     if lanes > LINE // 4:
         raise KiecError("lanes", lanes, f"at most {LINE // 4} (one {LINE}-byte line holds a tile's peer flags)")

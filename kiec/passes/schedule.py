@@ -20,14 +20,16 @@ Guarantees:
   a warp reads at once x rows a lane loads), as few splits as fill the lane's blocks, so a
   long context costs each block one tile and the combine reads at most `splits` partials; a pass
   over the keys scores `pass_heads` query heads, the group spread evenly over as few passes as
-  `heads_per_pass` (4) allows;
+  `heads_per_pass` (4) allows; with `combine_in_attn_out` every split tile signals and attn_out's
+  prologue combines them;
 - tile t of a stage runs on block (t + rotation) % blocks, the rotation carrying on
   from the previous stage, so small stages land on different blocks;
 - shared memory holds the ring of weight slots plus one scratch area (input vector,
   partial sums, attention scratch) that fits the largest stage; where the partials go, a
   norm stage first stages its norm weights and the LM head one lane's h.
 Dependencies are implied by stage order: a GEMV tile waits for every tile of the
-stage before it; an attention tile only for the qkv tiles that cover its KV group.
+stage before it (attn_out for each KV group's combined output, or every split tile when it
+combines them itself); an attention tile only for the qkv tiles that cover its KV group.
 """
 from __future__ import annotations
 
@@ -99,14 +101,14 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             # group takes several passes, each loading the keys again, with the heads spread evenly
             passes = -(-group // (options.heads_per_pass or 4))
             attrs = dict(s.attrs, splits=splits, batch=batch, rows=rows, prefetch=prefetch,
-                         pass_heads=-(-group // passes))
+                         pass_heads=-(-group // passes), combine_in_attn_out=bool(options.combine_in_attn_out))
             stages.append(dataclasses.replace(s, tiles=s.attr("kv_heads") * splits,
                                               attrs=tuple(sorted(attrs.items()))))
         else:
             raise KiecError("ir", s.kind, "a stage kind the scheduler knows")
     stages = _rotate(stages, per_lane, blocks)
     stages = _attention_waits(stages)
-    scratch = max(_scratch_bytes(s, warps) for s in stages)
+    scratch = max(_scratch_bytes(s, warps, stages[s.index - 1] if s.kind == "attn_out" else None) for s in stages)
     slot_bytes = options.slot_bytes or target.slot_bytes
     slots = (target.smem_bytes - scratch - BARRIER_BYTES) // slot_bytes
     slots = min(slots, options.max_slots or slots)
@@ -178,14 +180,17 @@ def _attention_waits(stages: list) -> list:
     return out
 
 
-def _scratch_bytes(s: Stage, warps: int) -> int:
-    """Shared memory one stage's consumers need beside the ring."""
+def _scratch_bytes(s: Stage, warps: int, attention: Stage | None = None) -> int:
+    """Shared memory one stage's consumers need beside the ring (`attention`: the one before attn_out)."""
     if s.gemv is not None:
         g = s.gemv
         partials = g.rows_per_tile * (warps if g.tiled else g.segments)
-        # the LM head's raw h of one lane, a norm stage's weights: staged where the partials go later
+        # the LM head's raw h of one lane, a norm stage's weights, or the weights of the attention splits
+        # attn_out combines: staged where the partials go later
         if s.kind in ("lm_head", "qkv", "gate_up"):
             partials = max(partials, g.cols)
+        if attention is not None and attention.attr("combine_in_attn_out"):
+            partials = max(partials, (2 * attention.attr("splits") + 1) * attention.attr("heads"))
         tiles_x = 2 * g.stride * 2 if g.tiled else 0      # x as the matrix units take it: rounded, and the rest
         # x in fp32, except where a tiled attn_out or down writes only the tiled form (keeps_f32_x)
         f32_x = 0 if g.tiled and s.kind in ("attn_out", "down") else 4 * g.stride
