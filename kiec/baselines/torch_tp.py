@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import queue as queues
 import socket
+import time
 import traceback
 
 import numpy as np
@@ -95,6 +96,24 @@ def _rank_main(fn, rank: int, world: int, port: int, backend: str, results, args
     torch.distributed.destroy_process_group()
 
 
+def _first_cause(rank: int, world: int, error: str, procs, results, heard: set) -> str:
+    """What to report when `rank` failed. A rank that exits without an answer makes the others fail
+    on their connections (its socket closes first), so such a rank, seen within a second, is named
+    first; ranks that answered or failed themselves are not."""
+    heard = heard | {rank}
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        try:
+            heard.add(results.get(timeout=0.1)[0])
+        except queues.Empty:
+            pass
+        silent = [(r, p.exitcode) for r, p in enumerate(procs) if r not in heard and p.exitcode is not None]
+        if silent:
+            r, code = silent[0]
+            return f"rank {r} of {world} exited with code {code} without an answer; then rank {rank} failed:\n{error}"
+    return f"rank {rank} of {world} failed:\n{error}"
+
+
 def run_ranks(fn, world: int, *args, backend: str = "nccl", timeout_s: float = 900.0):
     """fn(rank, world, *args) in `world` spawned processes of one group; rank 0's return value.
     A rank that fails, dies or exits without an answer fails the call, naming the rank and its
@@ -127,7 +146,7 @@ def run_ranks(fn, world: int, *args, backend: str = "nccl", timeout_s: float = 9
                     rank, code = silent[0]
                     raise RuntimeError(f"rank {rank} of {world} exited with code {code} without an answer") from None
             if error:
-                raise RuntimeError(f"rank {rank} of {world} failed:\n{error}")
+                raise RuntimeError(_first_cause(rank, world, error, procs, results, set(got)))
             got[rank] = value
     finally:
         for p in procs:
