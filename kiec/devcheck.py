@@ -285,7 +285,8 @@ def main(argv=None) -> int:
             log(traceback.format_exc())
         together.clear()
         (out_dir / "devcheck.json").write_text(json.dumps(results, indent=1, default=str))
-    print("\nmodel                            stage-err(max)  first-bad                tf-err   agree  repeat loop   ms/tok(step) ms/tok(seq)")
+    print("\nmodel                            stage-err(max)  first-bad                tf-err   agree  repeat loop   "
+          "ms/tok(step) ms/tok(seq) ms/tok(8192)")
     for r in results["models"]:
         if "error" in r:
             print(f"{r['model']:<32} ERROR {r['error'][:100]}")
@@ -293,7 +294,8 @@ def main(argv=None) -> int:
         se = max(r["stage_err"].values())
         print(f"{r['model']:<32} {se:<15.3g} {str(r['first_bad_stage'])[:24]:<24} {r['tf_max_err']:<8.3g} "
               f"{r['tf_argmax_agree']:<6.2f} {str(r['bitwise_repeat']):<6} {str(r['device_loop_equal']):<6} "
-              f"{r.get('ms_per_token_launch_per_step', float('nan')):<12.4f} {r.get('ms_per_token_one_launch', float('nan')):.4f}")
+              f"{r.get('ms_per_token_launch_per_step', float('nan')):<12.4f} {r.get('ms_per_token_one_launch', float('nan')):<11.4f} "
+              f"{r.get('ms_per_token_ctx8192', float('nan')):.4f}")
     return 0
 
 
