@@ -88,7 +88,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             # registers hold the rows in flight x 2 loads and group x 8 accumulators: fewer rows for
             # bigger groups; two rows or more are half this batch, half the next one (prefetch).
             # Where the consumers take the producer's registers (setmaxnreg: 232 instead of 168), 4 rows
-            # fit any group with no spills, as a pass scores at most 4 query heads (Llama-1B at context
+            # fit any group with no spills while a pass scores at most 4 query heads (Llama-1B at context
             # 8,192: 1.008 -> 0.878 ms; Qwen-1.5B's group of 6: 1.297 -> 1.238). kv_in_flight overrides.
             group = s.attr("heads") // s.attr("kv_heads")
             roomy = target.producer_registers > 0
