@@ -81,8 +81,8 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
     wait, wait_count = NONE, 0
     if prev is not None and s.kind != "attention":
         wait = sync[f"lane.done.{prev.index}"][0]
-        folded = prev.kind == "attention" and prev.attr("combine_in_attn_out")
-        wait_count = prev.attr("kv_heads") if prev.kind == "attention" and not folded else prev.tiles
+        combined = prev.kind == "attention" and not prev.attr("combine_in_attn_out")    # once per KV group
+        wait_count = prev.attr("kv_heads") if combined else prev.tiles
     norm = {"qkv": "attn_norm", "gate_up": "ffn_norm"}.get(s.kind)
     groups = tickets = 0
     if s.kind == "qkv":
