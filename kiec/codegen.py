@@ -138,7 +138,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
     c = dict(hidden=cfg["hidden"], d_embed=-(-cfg["hidden"] // 8) * 8, head_dim=cfg["head_dim"],
              group=att.attr("heads") // att.attr("kv_heads"), kv_heads=att.attr("kv_heads"), heads=att.attr("heads"),
              vocab=cfg["vocab"], max_seq=cfg["max_seq_len"], layers=cfg["layers"], batch=att.attr("batch"),
-             splits=att.attr("splits"), attention_rows=att.attr("rows"), attention_prefetch=att.attr("prefetch"),
+             splits=att.attr("splits"), min_split=att.attr("min_split"), attention_rows=att.attr("rows"), attention_prefetch=att.attr("prefetch"),
              attention_pass_heads=att.attr("pass_heads"), combine_in_attn_out=att.attr("combine_in_attn_out"), x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
              gemv_tiles=all(s.gemv.tiled for s in sched.gemv_stages()), tile_rows=TILE_ROWS, tile_cols=TILE_COLS)
     m = dict(w_embed=w["embed"][0], w_final_norm=w["final_norm"][0], w_rope=w["rope"][0],

@@ -19,7 +19,9 @@ class CompileOptions:
     slot_groups: int | None = None      # consumer warp groups taking turns at the ring's slots (None: 1; tiled only)
     tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 4; tiled only)
     l2_ahead: int | None = None         # ring chunks the producer may prefetch into L2 while the ring is full (None: 0)
+    copies_in_flight: int | None = None  # a block's weight copies in flight in the layers at most (None: the target's; 0: no cap)
     kv_in_flight: int | None = None     # K and V rows an attention lane has in flight: 1, 2 or 4, 2 and 4 with the next batch's prefetched (None: by query group)
+    split_batches: int | None = None    # at least this many key batches an attention split takes (None: 4 where a batch is one pass over the keys, else 1)
     heads_per_pass: int | None = None   # at most this many query heads an attention pass over the keys scores, 1-8 (None: 4)
     combine_in_attn_out: int | None = None  # 1: attn_out's prologue combines attention's splits (no last-split combine; None/0: the last split does)
     # timing only, the outputs are wrong: 1 leaves the weight copies out (the consumers' own pace),
@@ -47,8 +49,12 @@ class CompileOptions:
             raise KiecError("tile_accumulators", self.tile_accumulators, "1, 2 or 4")
         if self.l2_ahead is not None and not 0 <= self.l2_ahead <= 64:
             raise KiecError("l2_ahead", self.l2_ahead, "0 to 64 ring chunks")
+        if self.copies_in_flight is not None and not 0 <= self.copies_in_flight <= 64:
+            raise KiecError("copies_in_flight", self.copies_in_flight, "0 (no cap) to 64 weight copies a block has in flight")
         if self.kv_in_flight not in (None, 1, 2, 4):
             raise KiecError("kv_in_flight", self.kv_in_flight, "1, 2 or 4 K and V rows a lane has in flight")
+        if self.split_batches is not None and not 1 <= self.split_batches <= 64:
+            raise KiecError("split_batches", self.split_batches, "1 to 64 key batches an attention split takes at least")
         if self.heads_per_pass is not None and not 1 <= self.heads_per_pass <= 8:
             raise KiecError("heads_per_pass", self.heads_per_pass, "1 to 8 query heads a pass over the keys scores")
         if self.combine_in_attn_out not in (None, 0, 1):

@@ -122,6 +122,31 @@ def test_heads_per_pass_spreads_a_group_evenly_over_the_passes(tmp_path):
         CompileOptions.parse("heads_per_pass=9")
 
 
+def test_a_short_context_takes_one_split_where_a_batch_is_one_pass(tmp_path, models):
+    # Llama's group of 4 is one pass: up to 4 batches in one split; a group of 6 (two passes) one batch
+    g6 = write_random_model(tmp_path / "g6", preset("tiny-qwen2", num_attention_heads=12, num_key_value_heads=2),
+                            seed=3, dtype="bf16")
+    for folder, text, batches in ((models["tiny-llama"], "", 4), (g6, "", 1), (g6, "split_batches=3", 3),
+                                  (models["tiny-llama"], "split_batches=1", 1)):
+        _, sched = build_schedule(spec_of(folder), options=CompileOptions.parse(text))
+        att = next(s for s in sched.stages if s.kind == "attention")
+        assert att.attr("min_split") == batches * att.attr("batch"), text
+    with pytest.raises(KiecError, match="split_batches"):
+        CompileOptions.parse("split_batches=0")
+
+
+def test_copies_in_flight_come_from_the_target_unless_asked(models):
+    spec = spec_of(models["tiny-llama"])
+    for target in TARGETS:
+        _, sched = build_schedule(spec.replace(target=target))
+        assert sched.grid.copies_in_flight == min(TARGETS[target].copies_in_flight, sched.grid.slots)
+    for text, want in (("copies_in_flight=0", 0), ("copies_in_flight=5", 5), ("copies_in_flight=64", None)):
+        _, sched = build_schedule(spec, options=CompileOptions.parse(text))
+        assert sched.grid.copies_in_flight == (sched.grid.slots if want is None else want), text
+    with pytest.raises(KiecError, match="copies_in_flight"):
+        CompileOptions.parse("copies_in_flight=-1")
+
+
 def test_attention_waits_for_exactly_the_qkv_tiles_of_its_group(models):
     spec = spec_of(models["tiny-qwen2"])
     _, sched = build_schedule(spec)
@@ -277,8 +302,8 @@ def test_pair_permutation_round_trips():
     assert permute_pairs(rows, 8, "adjacent") is rows
 
 
-def _twin_vs_reference(spec, positions, blocks=None):
-    graph, sched = build_schedule(spec, blocks)
+def _twin_vs_reference(spec, positions, blocks=None, options=None):
+    graph, sched = build_schedule(spec, blocks, options=options)
     weights = reference_weights(graph, load_checkpoint(spec))
     blob = pack_weights(sched, weights, spec.config, spec.max_seq_len, spec.dtype)
     twin = Twin(sched, blob, spec.config, spec.max_seq_len, spec.dtype)
@@ -302,26 +327,32 @@ def test_twin_follows_the_reference(models, name):
 
 
 @pytest.mark.parametrize("splits,batch", [(1, 32), (3, 32), (16, 32), (16, 64), (5, 8)])
-def test_attention_splits_cover_the_context_in_whole_batches(splits, batch):
+@pytest.mark.parametrize("min_batches", [1, 4])
+def test_attention_splits_cover_the_context_in_whole_batches(splits, batch, min_batches):
     for lo in (0, 7):
         for pos in range(lo, lo + 700, 13):
-            length, used = attention_splits(lo, pos, splits, batch)
-            assert length % batch == 0 and 1 <= used <= splits
+            length, used = attention_splits(lo, pos, splits, batch, min_batches * batch)
+            assert length % batch == 0 and length >= min_batches * batch and 1 <= used <= splits
             assert (used - 1) * length < pos + 1 - lo <= used * length       # every split has keys
+            if pos + 1 - lo <= min_batches * batch:
+                assert used == 1                                            # a short context: no combine
 
 
-@pytest.mark.parametrize("name,blocks", [("tiny-mistral", None), ("tiny-mistral-full", None), ("tiny-mistral-full", 2)])
-def test_twin_follows_the_reference_past_splits_and_window(models, name, blocks):
+@pytest.mark.parametrize("name,blocks,text", [("tiny-mistral", None, "split_batches=1"),
+                                              ("tiny-mistral-full", None, "split_batches=1"),
+                                              ("tiny-mistral-full", 2, "split_batches=1"), ("tiny-mistral-full", None, "")])
+def test_twin_follows_the_reference_past_splits_and_window(models, name, blocks, text):
     # the window (16) moves the splits' start; without it 132 blocks give splits of one batch, 2 blocks
-    # two splits of several batches
-    spec = spec_of(models[name], max_seq_len=500)
-    _, sched = build_schedule(spec, blocks)
+    # two splits of several batches; by default a split takes at least min_split keys
+    spec = spec_of(models[name], max_seq_len=1024)
+    options = CompileOptions.parse(text)
+    _, sched = build_schedule(spec, blocks, options=options)
     att = next(s for s in sched.stages if s.kind == "attention")
-    positions = att.attr("batch") * 3 + 10
-    length, used = attention_splits(0, positions - 1, att.attr("splits"), att.attr("batch"))
+    positions = att.attr("min_split") + att.attr("batch") * 2 + 10
+    length, used = attention_splits(0, positions - 1, att.attr("splits"), att.attr("batch"), att.attr("min_split"))
     assert used >= 2 and (name == "tiny-mistral" or blocks is None or length > att.attr("batch"))
-    assert positions < spec.max_seq_len
-    assert _twin_vs_reference(spec, positions, blocks) < 1e-2
+    assert length >= att.attr("min_split") and positions < spec.max_seq_len
+    assert _twin_vs_reference(spec, positions, blocks, options) < 1e-2
 
 
 def test_twin_follows_the_reference_with_lanes(models):

@@ -17,7 +17,8 @@ Guarantees:
 - an attention stage has one tile per (KV head, split of positions), at most one tile per
   block of the lane: `splits` per KV head. The split length is chosen per step from the
   context (`attention_splits`): whole batches (one pass of every consumer warp: warps x keys
-  a warp reads at once x rows a lane loads), as few splits as fill the lane's blocks, so a
+  a warp reads at once x rows a lane loads), at least `min_split` keys (`split_batches` batches:
+  a short context in one split needs no combine), as few splits as fill the lane's blocks, so a
   long context costs each block one tile and the combine reads at most `splits` partials; a pass
   over the keys scores `pass_heads` query heads, the group spread evenly over as few passes as
   `heads_per_pass` (4) allows; with `combine_in_attn_out` every split tile signals and attn_out's
@@ -26,7 +27,9 @@ Guarantees:
   from the previous stage, so small stages land on different blocks;
 - shared memory holds the ring of weight slots plus one scratch area (input vector,
   partial sums, attention scratch) that fits the largest stage; where the partials go, a
-  norm stage first stages its norm weights and the LM head one lane's h.
+  norm stage first stages its norm weights and the LM head one lane's h; a block keeps at most
+  `copies_in_flight` weight copies in flight in the layers (the target's, 3 on the H200: a deeper
+  queue at the memory system delays every activation and counter read behind it);
 Dependencies are implied by stage order: a GEMV tile waits for every tile of the
 stage before it (attn_out for each KV group's combined output, or every split tile when it
 combines them itself); an attention tile only for the qkv tiles that cover its KV group.
@@ -100,7 +103,12 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             # a pass over the keys scores up to heads_per_pass query heads (8 accumulators each); a bigger
             # group takes several passes, each loading the keys again, with the heads spread evenly
             passes = -(-group // (options.heads_per_pass or 4))
+            # a context of up to 4 batches goes to one split where a batch is one pass: the split's output
+            # is then the attention's, with no ticket and no combine (Llama-1B at position 200: 0.741 ->
+            # 0.723 ms); Qwen-1.5B's two passes per batch lost with 2, 3 and 4 (1.157 -> 1.195 to 1.233)
+            split_batches = options.split_batches or (4 if passes == 1 else 1)
             attrs = dict(s.attrs, splits=splits, batch=batch, rows=rows, prefetch=prefetch,
+                         min_split=batch * split_batches,
                          pass_heads=-(-group // passes), combine_in_attn_out=bool(options.combine_in_attn_out))
             stages.append(dataclasses.replace(s, tiles=s.attr("kv_heads") * splits,
                                               attrs=tuple(sorted(attrs.items()))))
@@ -129,15 +137,17 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices,
                 reduce_batch=options.reduce_batch or 8, warp_release=bool(options.warp_release),
                 timing_only=options.timing_only or 0, slot_groups=slot_groups,
-                tile_accumulators=options.tile_accumulators or 4, l2_ahead=options.l2_ahead or 0)
+                tile_accumulators=options.tile_accumulators or 4, l2_ahead=options.l2_ahead or 0,
+                copies_in_flight=min(target.copies_in_flight if options.copies_in_flight is None
+                                     else options.copies_in_flight, slots))
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
 
-def attention_splits(lo: int, pos: int, splits: int, batch: int) -> tuple[int, int]:
-    """(split length, splits used) for the keys lo..pos: whole batches, at most `splits` of them.
-    The kernel works the same numbers out at every step."""
+def attention_splits(lo: int, pos: int, splits: int, batch: int, min_length: int) -> tuple[int, int]:
+    """(split length, splits used) for the keys lo..pos: whole batches, at least `min_length` keys
+    (a multiple of batch), at most `splits` of them. The kernel works the same numbers out at every step."""
     n = pos + 1 - lo
-    length = -(-(-(-n // splits)) // batch) * batch
+    length = max(-(-(-(-n // splits)) // batch) * batch, min_length)
     return length, -(-n // length)
 
 
