@@ -18,7 +18,6 @@ class CompileOptions:
     gemv_tiles: int | None = None       # 1: decode GEMVs on the matrix units, 0: FMAs over rows (None: the target's, for bf16)
     slot_groups: int | None = None      # consumer warp groups taking turns at the ring's slots (None: 1; tiled only)
     tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 4; tiled only)
-    l2_ahead: int | None = None         # ring chunks the producer may prefetch into L2 while the ring is full (None: 0)
     copies_in_flight: int | None = None  # a block's weight copies in flight in the layers at most (None: the target's; 0: no cap)
     kv_in_flight: int | None = None     # K and V rows an attention lane has in flight: 1, 2 or 4, 2 and 4 with the next batch's prefetched (None: by query group)
     split_batches: int | None = None    # at least this many key batches an attention split takes (None: 4 where a batch is one pass over the keys, else 1)
@@ -47,8 +46,6 @@ class CompileOptions:
             raise KiecError("slot_groups", self.slot_groups, "1 or 2")
         if self.tile_accumulators is not None and self.tile_accumulators not in (1, 2, 4):
             raise KiecError("tile_accumulators", self.tile_accumulators, "1, 2 or 4")
-        if self.l2_ahead is not None and not 0 <= self.l2_ahead <= 64:
-            raise KiecError("l2_ahead", self.l2_ahead, "0 to 64 ring chunks")
         if self.copies_in_flight is not None and not 0 <= self.copies_in_flight <= 64:
             raise KiecError("copies_in_flight", self.copies_in_flight, "0 (no cap) to 64 weight copies a block has in flight")
         if self.kv_in_flight not in (None, 1, 2, 4):

@@ -18,7 +18,6 @@ class Target:
     smem_bytes: int           # shared memory one block may use (the weight ring lives here)
     slot_bytes: int           # one ring slot: big enough for a unit, small enough for several slots
     gemv_tiles: bool          # decode GEMVs on the matrix units (tiled matrices); else FMAs over rows
-    l2_prefetch: bool         # the producer can ask L2 for weights ahead of the ring (bulk prefetch)
     producer_warps: int       # the producer's warps: one streams; a whole warpgroup where registers move by warpgroup
     producer_registers: int   # registers a producer thread keeps once the block's pool is rebalanced (0: no rebalancing)
     copies_in_flight: int     # a block's weight copies in flight in the layers at most (0: no cap; the copies are asynchronous)
@@ -31,7 +30,7 @@ class Target:
 TARGETS = {
     "cuda:sm_90": Target(
         name="cuda:sm_90", vendor="nvidia", arch="sm_90a", warp_size=32, multiprocessors=132,
-        smem_bytes=227 * 1024, slot_bytes=16 * 1024, gemv_tiles=True, l2_prefetch=True,
+        smem_bytes=227 * 1024, slot_bytes=16 * 1024, gemv_tiles=True,
         producer_warps=4, producer_registers=40, copies_in_flight=3,
         compiler="nvcc",
         compile_flags=("-O3", "-std=c++17", "-x", "cu", "-gencode=arch=compute_90a,code=sm_90a",
@@ -42,7 +41,7 @@ TARGETS = {
     ),
     "hip:gfx942": Target(
         name="hip:gfx942", vendor="amd", arch="gfx942", warp_size=64, multiprocessors=304,
-        smem_bytes=64 * 1024, slot_bytes=8 * 1024, gemv_tiles=False, l2_prefetch=False,
+        smem_bytes=64 * 1024, slot_bytes=8 * 1024, gemv_tiles=False,
         producer_warps=1, producer_registers=0, copies_in_flight=0,
         compiler="hipcc",
         compile_flags=("-O3", "-std=c++17", "--offload-arch=gfx942", "-munsafe-fp-atomics"),

@@ -230,13 +230,9 @@ def test_tiles_need_a_target_that_has_them(models):
         build_schedule(spec, options=CompileOptions.parse("tile_accumulators=2"))
     with pytest.raises(KiecError, match="tile_accumulators"):
         CompileOptions.parse("tile_accumulators=3")
-    with pytest.raises(KiecError, match="l2_ahead"):         # gfx942 has no bulk L2 prefetch
-        build_schedule(spec, options=CompileOptions.parse("l2_ahead=8"))
-    with pytest.raises(KiecError, match="l2_ahead"):
-        CompileOptions.parse("l2_ahead=65")
     cuda = spec.replace(target="cuda:sm_90")
-    _, tuned = build_schedule(cuda, options=CompileOptions.parse("tile_accumulators=2,l2_ahead=8"))
-    assert (tuned.grid.tile_accumulators, tuned.grid.l2_ahead) == (2, 8)
+    _, tuned = build_schedule(cuda, options=CompileOptions.parse("tile_accumulators=2"))
+    assert tuned.grid.tile_accumulators == 2
     _, sched = build_schedule(cuda, options=CompileOptions.parse("slot_groups=2"))
     assert sched.grid.slot_groups == 2 and sched.grid.slots % 2 == 0     # a slot stays with one group
     with pytest.raises(KiecError, match="slot_bytes"):    # 10 tiles a slot: not whole tiles for 8 warps

@@ -112,7 +112,6 @@ class Grid:
     timing_only: int = 0            # 1: no weight copies, 2: no consumer arithmetic (outputs wrong)
     slot_groups: int = 1            # consumer warp groups taking turns at the ring's slots (tiled matrices)
     tile_accumulators: int = 4      # independent accumulators a warp's tile products go round (tiled matrices)
-    l2_ahead: int = 0               # ring chunks the producer may prefetch into L2 while the ring is full
     copies_in_flight: int = 0       # a block's weight copies in flight at most (0: as many as free slots)
 
     @property

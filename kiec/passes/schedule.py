@@ -68,8 +68,6 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     if options.tile_accumulators and not tiled:
         raise KiecError("tile_accumulators", options.tile_accumulators,
                         "unset where the matrices are not tiled (gemv_tiles=0 or the target)")
-    if options.l2_ahead and not target.l2_prefetch:
-        raise KiecError("l2_ahead", options.l2_ahead, f"0 on {target.name} (no bulk L2 prefetch)")
     if warps % slot_groups:
         raise KiecError("slot_groups", slot_groups, f"a divisor of the {warps} consumer warps")
     stages = []
@@ -137,7 +135,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices,
                 reduce_batch=options.reduce_batch or 8, warp_release=bool(options.warp_release),
                 timing_only=options.timing_only or 0, slot_groups=slot_groups,
-                tile_accumulators=options.tile_accumulators or 4, l2_ahead=options.l2_ahead or 0,
+                tile_accumulators=options.tile_accumulators or 4,
                 copies_in_flight=min(target.copies_in_flight if options.copies_in_flight is None
                                      else options.copies_in_flight, slots))
     return dataclasses.replace(sched, stages=stages, grid=grid)
