@@ -190,8 +190,11 @@ def time_builds(builds: dict, rounds: int, out_dir: Path | None, log) -> dict:
             failed(label, err)
             continue
         raw = prof.pop("raw")
-        if out_dir is not None:
+        names = prof.pop("stage_names", None)
+        if out_dir is not None:         # python -m kiec.runtime.timeline reads both
             np.save(out_dir / f"profile-{slug(label)}.npy", raw)
+            if names:
+                (out_dir / f"profile-{slug(label)}.json").write_text(json.dumps({"stages": names}))
         res["profile"] = prof
         # an unprofiled 8-step launch's mean step (its first step starts cold) against the profiled step
         res["profile_overhead"] = prof["step_us"] / (1e3 * res["ms_per_token_8_steps"]) - 1

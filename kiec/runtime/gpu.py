@@ -223,7 +223,7 @@ class GpuBackend:
     def profile(self, token: int, start: int, steps: int = 8) -> dict:
         """Where a steady-state step spends its time: a launch of `steps` steps from `token`, the middle
         one (`steps // 2`) stamped by the kernel (kiec.runtime.timeline). Returns the summary, plus "raw":
-        the stamps [stages, blocks, fields] in ns, "launch_ms", "step" and "steps"."""
+        the stamps [stages, blocks, fields] in ns, "stage_names", "launch_ms", "step" and "steps"."""
         from .timeline import FIELDS, summarize
         self._launch([token], steps, start, profile=True)
         ms = self._finish()
@@ -231,7 +231,8 @@ class GpuBackend:
         raw = self.kernel.read(REGION_PROFILE, 0, 8 * stages * blocks * len(FIELDS)).view(np.uint64)
         raw = raw.reshape(stages, blocks, len(FIELDS)).copy()
         out = summarize(raw, [s.kind for s in self.sched.stages])
-        out.update(launch_ms=ms, raw=raw, step=steps // 2, steps=steps)
+        out.update(launch_ms=ms, raw=raw, step=steps // 2, steps=steps,
+                   stage_names=[s.kind if s.kind == "lm_head" else f"{s.kind} L{s.layer}" for s in self.sched.stages])
         return out
 
     def generate_on_device(self, prompt, start: int, max_new: int, temperature: float = 0.0, seed: int = 0,

@@ -60,3 +60,56 @@ def format_summary(s: dict) -> str:
                      f"{v['stream']:>8.2f}{v['epilogue']:>8.2f}{v['starved']:>9.2f}{v['producer_stall']:>9.2f}"
                      f"{v['critical']:>10.1f}{v['spread']:>8.2f}")
     return "\n".join(lines)
+
+
+def stage_rows(raw: np.ndarray, names: list, stages: range) -> str:
+    """Each stage's tiles on the step's clock: min / median / max over its blocks of when a tile began,
+    its wait, prologue, stream and epilogue ended, and when the producer issued the stage's last chunk
+    (µs from the step's first stamp). A stage's boundaries show here as they do not in the means."""
+    t = raw.astype(np.float64)
+    has = t[..., 0] > 0
+    t0 = t[..., 0][has].min()
+    cols = ("begin", "waited", "prologue", "stream", "epilogue", "producer_last")
+    lines = [f"  {'stage':<16}{'tiles':>6}" + "".join(f"{c:>22}" for c in cols) + "   (us: min / median / max)"]
+    for s in stages:
+        h = has[s]
+        if not h.any():
+            lines.append(f"  {names[s]:<16}{0:>6}")
+            continue
+        cells = []
+        for c in cols:
+            v = t[s, :, FIELDS.index(c)][h]
+            v = (v[v > 0] - t0) / 1e3                  # a block that issued none of the stage's chunks has no stamp
+            cells.append(f"{v.min():7.2f}/{np.median(v):7.2f}/{v.max():7.2f}" if len(v) else "-")
+        lines.append(f"  {names[s]:<16}{int(h.sum()):>6}" + "".join(f"{c:>22}" for c in cells))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """python -m kiec.runtime.timeline PROFILE.npy [--stages 40-45]: a profile devcheck saved (with
+    PROFILE.json beside it naming the stages), stage by stage."""
+    import argparse
+    import json
+    from pathlib import Path
+    ap = argparse.ArgumentParser(prog="python -m kiec.runtime.timeline")
+    ap.add_argument("profile", type=Path)
+    ap.add_argument("--stages", help="a range of stage indices, e.g. 40-45 (default: all)")
+    args = ap.parse_args(argv)
+    raw = np.load(args.profile)
+    side = args.profile.with_suffix(".json")
+    names = json.loads(side.read_text())["stages"] if side.exists() else [f"stage {i}" for i in range(raw.shape[0])]
+    first, last = 0, raw.shape[0] - 1
+    if args.stages:
+        lo, _, hi = args.stages.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            ap.error(f"--stages: got {args.stages!r}; expected A-B, stage indices")
+        if not 0 <= first <= last < raw.shape[0]:
+            ap.error(f"--stages: got {args.stages}; expected A-B with 0 <= A <= B < {raw.shape[0]}")
+    print(stage_rows(raw, names, range(first, last + 1)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
