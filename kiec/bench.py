@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .bench_kiec import time_kiec
 from .bench_report import PLACEMENTS, format_table, summarize
 from .errors import KiecError, nearest
 
@@ -136,25 +137,6 @@ class BenchModel:
 
 
 # --- measurements (GPU) ---------------------------------------------------------------------------
-
-def time_kiec(backend, context: int, steps: int, rng) -> dict:
-    """kiec's ms/token from position `context`: one launch per step (median of the kernel's event times)
-    and one launch for all `steps` (median of 3 launches, per token). Every step gets another token."""
-    tokens = [int(t) for t in rng.integers(backend.vocab, size=steps)]
-    backend._launch(tokens[:1], steps, context)          # warm-up: module load, first touch of the cache
-    backend._finish()
-    per_step = []
-    for i, token in enumerate(tokens):
-        backend._launch([token], 1, context + i)
-        per_step.append(backend._finish())
-    per_sequence = []
-    for token in tokens[:3]:
-        backend._launch([token], steps, context)
-        per_sequence.append(backend._finish() / steps)
-    return {"kiec per-step": {"ms_per_token": float(np.median(per_step)), "launches": steps},
-            "kiec per-sequence": {"ms_per_token": float(np.median(per_sequence)), "launches": len(per_sequence),
-                                  "steps_per_launch": steps}}
-
 
 def time_torch_peers(spec, checkpoint, options: BenchOptions, rng, log) -> dict:
     """context -> {"torch graph": ..., "torch.compile graph": ...}; the cache fits each context."""

@@ -1,7 +1,7 @@
 """`kiec bench --lanes`: kiec at several lane counts and placements, and the NCCL baseline.
 
 Every lane variant is built side by side first (nvcc is single-threaded), then uploaded and timed
-one at a time (kiec.bench.time_kiec). A placement that needs more GPUs than the machine has, and an
+one at a time (kiec.bench_kiec.time_kiec). A placement that needs more GPUs than the machine has, and an
 NCCL baseline that cannot run or fails, is a row that says so: the rest of the run is kept.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ def exchange_bytes_per_lane(sched) -> int:
 def time_lanes(model, checkpoint, options, rng, log) -> list:
     """One row per (lane count, mode, placement, context): kiec's ms/token; a placement that needs
     more GPUs than this machine has is a row that says so."""
-    from .bench import time_kiec
+    from .bench_kiec import time_kiec
     from .runtime.gpu import GpuBackend, gpu_count
     gpus = gpu_count()
     devices = [placement_devices(placement, lanes) if placement != "spread" or gpus >= lanes else None

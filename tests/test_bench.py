@@ -259,3 +259,31 @@ def test_bench_run_on_a_tiny_model(tmp_path, capsys):
     assert [r["tokens"] for r in prefill["rows"]] == [64, 300] and "time to first token" in table
     for r in prefill["rows"]:
         assert 0 < r["prefill_ms"] < r["ttft_ms"] and r["torch_ttft_ms"] > 0 and 0 < r["floor_share"] < 1, r
+
+
+def test_time_kiec_reports_medians_one_launch_per_step_and_per_sequence():
+    from kiec.bench_kiec import time_kiec
+
+    class Fake:
+        """A launch of n steps takes n ms, except the single-step launches: 1, 2, ... ms in turn."""
+        vocab = 100
+
+        def __init__(self):
+            self.launches, self.singles = [], 0
+
+        def _launch(self, tokens, n_steps, start):
+            self.launches.append((len(tokens), n_steps, start))
+            self.n = n_steps
+
+        def _finish(self):
+            if self.n == 1:
+                self.singles += 1
+                return float(self.singles)
+            return float(self.n)
+
+    fake = Fake()
+    out = time_kiec(fake, 128, 5, np.random.default_rng(0))
+    # a warm-up of the whole sequence, 5 single steps at positions 128..132, 3 whole sequences
+    assert fake.launches == [(1, 5, 128)] + [(1, 1, 128 + i) for i in range(5)] + [(1, 5, 128)] * 3
+    assert out["kiec per-step"] == {"ms_per_token": 3.0, "launches": 5}          # the median of 1..5
+    assert out["kiec per-sequence"] == {"ms_per_token": 1.0, "launches": 3, "steps_per_launch": 5}
