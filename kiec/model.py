@@ -243,7 +243,7 @@ def _find_config(raw: dict, weights: str, base: Path) -> tuple[dict, str]:
             raise KiecError("config", cfg, SPEC_KEYS["config"])
         return cfg, default_tok
     if wpath.suffix == ".gguf":
-        from .weights import gguf_config
+        from .gguf_meta import gguf_config
         return gguf_config(weights), default_tok
     folder = wpath if wpath.is_dir() else wpath.parent
     if (folder / "config.json").exists():

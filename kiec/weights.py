@@ -8,7 +8,6 @@ config: a missing, extra or misshapen tensor is one clear error.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import struct
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import KiecError
+from .gguf_meta import open_gguf
 from .model import ArchConfig
 
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -122,69 +122,9 @@ def read_folder(folder: str) -> WeightStore:
 
 # --- GGUF -------------------------------------------------------------------------------------
 
-def _gguf_reader(path: str):
-    try:
-        stat = os.stat(path)
-    except OSError as err:
-        raise KiecError("weights", path, "a GGUF file", str(err)) from None
-    return _cached_gguf_reader(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=2)
-def _cached_gguf_reader(path: str, size: int, mtime_ns: int):
-    """One parse per file version: the spec, the checkpoint and the tokenizer all read the same
-    GGUF, and parsing its metadata (the vocabulary) takes seconds."""
-    import gguf
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as err:  # the gguf package raises ValueError, struct.error, OSError, ...
-        raise KiecError("weights", path, "a GGUF file", f"unreadable or truncated: {type(err).__name__}: {err}") from None
-
-
-def gguf_config(path: str) -> dict:
-    """A Hugging Face-style config from a GGUF file's metadata."""
-    reader = _gguf_reader(path)
-    meta = {k: _field(f) for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise KiecError("weights", f"{path} (general.architecture={arch!r})", "a llama, qwen2 or mistral GGUF")
-    names = {t.name for t in reader.tensors}
-
-    def key(k, default=None):
-        return meta.get(f"{arch}.{k}", default)
-    heads = int(key("attention.head_count"))
-    cfg = {
-        "model_type": arch,
-        "hidden_size": int(key("embedding_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "intermediate_size": int(key("feed_forward_length")),
-        "max_position_embeddings": int(key("context_length", 4096)),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        "vocab_size": int(key("vocab_size", 0) or reader.tensors[0].shape[-1]),
-        "tie_word_embeddings": "output.weight" not in names,
-    }
-    if key("rope.dimension_count"):
-        cfg["head_dim"] = int(key("rope.dimension_count"))
-    if key("attention.sliding_window"):
-        cfg["sliding_window"] = int(key("attention.sliding_window"))
-    if arch == "qwen2":
-        cfg["use_sliding_window"] = False
-    return cfg
-
-
-def _field(f):
-    try:
-        return f.contents()
-    except Exception:
-        return None
-
-
 def read_gguf(path: str, cfg: ArchConfig) -> WeightStore:
     import gguf
-    reader = _gguf_reader(path)
+    reader = open_gguf(path)
     size = os.path.getsize(path)
     entries, loaders = {}, {}
     for t in reader.tensors:

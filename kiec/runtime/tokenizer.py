@@ -127,8 +127,8 @@ def _from_gguf(path: str) -> Tokenizer:
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
-    from ..weights import _gguf_reader
-    reader = _gguf_reader(path)
+    from ..gguf_meta import open_gguf
+    reader = open_gguf(path)
 
     def field(key, default=None):
         f = reader.fields.get(key)
