@@ -8,64 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .cli_args import add_model_args, add_sampling_args, engine_from_args, sampling_from_args, spec_from_args
 from .errors import KiecError
-
-
-def _spec(args):
-    from .model import load_spec
-    overrides = {}
-    for key in ("max_seq_len", "lanes", "gpus", "dtp_delay", "target"):
-        value = getattr(args, key, None)
-        if value is not None:
-            overrides[key] = value
-    return load_spec(args.model, overrides)
-
-
-def _add_model(p, default="smollm2"):
-    p.add_argument("model", nargs="?", default=default,
-                   help="model.json, a model folder, a GGUF file, or 'smollm2' (the default)")
-    p.add_argument("--max-seq-len", dest="max_seq_len", type=int)
-    p.add_argument("--lanes", type=int)
-    p.add_argument("--gpus", type=int)
-    p.add_argument("--dtp-delay", dest="dtp_delay", type=int,
-                   help="apply past(d) DTP to a model not trained for it (an approximation)")
-
-
-def add_sampling_args(p) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    p.add_argument("--stop-token-id", action="append", type=int, default=[])
-    p.add_argument("--logprobs", type=int, help="print each token's logprob and this many alternatives")
-    p.add_argument("--ignore-eos", action="store_true", help="go on past the model's end-of-turn tokens")
-
-
-def sampling_from_args(args):
-    from .runtime.sampling import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                          frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
-                          stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id), logprobs=args.logprobs,
-                          ignore_eos=args.ignore_eos)
-
-
-def engine_from_args(args, spec):
-    """The engine for a command, with progress bars on stderr unless --quiet."""
-    from .progress import ProgressBar
-    from .runtime.engine import Engine
-    return Engine(spec, backend=args.backend, progress=None if args.quiet else ProgressBar())
 
 
 def cmd_run(args) -> int:
     from .runtime.chat import encode_chat
-    spec = _spec(args)
+    spec = spec_from_args(args)
     params = sampling_from_args(args)
     engine = engine_from_args(args, spec)
     if args.chat:
@@ -100,7 +49,7 @@ def _print_logprobs(tokenizer, tokens) -> None:
 
 def cmd_inspect(args) -> int:
     from .inspect import describe
-    spec = _spec(args)
+    spec = spec_from_args(args)
     print(describe(spec, context=args.context))
     if args.dtp_error:
         from .dtp_error import dtp_error
@@ -123,7 +72,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="generate text for a prompt")
-    _add_model(p)
+    add_model_args(p)
     p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--backend", default="auto", choices=["auto", "gpu", "reference"])
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -131,7 +80,7 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("inspect", help="print the graph, parameters, bytes per token, the per-lane split")
-    _add_model(p)
+    add_model_args(p)
     p.add_argument("--context", type=int, default=128, help="context length for the KV-cache bytes")
     p.add_argument("--dtp-error", action="store_true",
                    help="with --lanes and --dtp-delay: how far past(d) moves the logits (KL, top-1), on the reference")

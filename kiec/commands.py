@@ -5,11 +5,11 @@ import os
 
 
 def register_serve(sub) -> None:
-    from .cli import _add_model
+    from .cli_args import add_model_args
     from .runtime.server import ServeOptions
     d = ServeOptions()
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    _add_model(p)
+    add_model_args(p)
     p.add_argument("--backend", default="auto", choices=["auto", "gpu", "reference"])
     p.add_argument("--host", default=d.host, help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=d.port, help="0: any free port (the log line says which)")
@@ -23,19 +23,19 @@ def register_serve(sub) -> None:
 
 
 def cmd_serve(args) -> int:
-    from .cli import _spec, engine_from_args
+    from .cli_args import engine_from_args, spec_from_args
     from .runtime.server import ServeOptions, bind, serve
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                            max_body_bytes=args.max_body_bytes, model_name=args.model_name)
-    spec = _spec(args)
+    spec = spec_from_args(args)
     sock = bind(options.host, options.port)      # a taken port fails now, not after the weights load
     return serve(engine_from_args(args, spec), options, sock)
 
 
 def register_chat(sub) -> None:
-    from .cli import _add_model, add_sampling_args
+    from .cli_args import add_model_args, add_sampling_args
     p = sub.add_parser("chat", help="an interactive chat in the terminal (/reset, /exit)")
-    _add_model(p)
+    add_model_args(p)
     p.add_argument("--backend", default="auto", choices=["auto", "gpu", "reference"])
     p.add_argument("--system", help="a system message to start every conversation with")
     add_sampling_args(p)
@@ -43,10 +43,10 @@ def register_chat(sub) -> None:
 
 
 def cmd_chat(args) -> int:
-    from .cli import _spec, engine_from_args, sampling_from_args
+    from .cli_args import engine_from_args, sampling_from_args, spec_from_args
     from .runtime.chat import ChatSession, chat_loop
     params = sampling_from_args(args)
-    session = ChatSession(engine_from_args(args, _spec(args)), params, system=args.system)
+    session = ChatSession(engine_from_args(args, spec_from_args(args)), params, system=args.system)
     return chat_loop(session, quiet=args.quiet)
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 
 def register_compile(sub) -> None:
-    from .cli import _add_model
+    from .cli_args import add_model_args
     p = sub.add_parser("compile", help="compile a model into one persistent kernel and its Python module")
-    _add_model(p)
+    add_model_args(p)
     p.add_argument("--target", help="cuda:sm_90 (default) or hip:gfx942")
     p.add_argument("--dump", type=Path, help="write every stage's IR, the sources and the build here")
     p.add_argument("--check", action="store_true",
@@ -25,9 +25,9 @@ def register_compile(sub) -> None:
 
 
 def cmd_compile(args) -> int:
-    from .cli import _spec
+    from .cli_args import spec_from_args
     from .options import CompileOptions
-    spec = _spec(args)
+    spec = spec_from_args(args)
     options = CompileOptions.parse(args.options)
     if args.check:
         return _check(spec, args, options)

@@ -242,7 +242,7 @@ def test_logprobs_are_the_log_softmax_of_the_model_logits(engine):
 
 
 def test_cli_sampling_flags_reach_sampling_params():
-    from kiec.cli import add_sampling_args, sampling_from_args
+    from kiec.cli_args import add_sampling_args, sampling_from_args
     parser = argparse.ArgumentParser()
     add_sampling_args(parser)
     args = parser.parse_args("--max-tokens 9 --temperature 0.5 --top-k 7 --top-p 0.8 --min-p 0.02 "
