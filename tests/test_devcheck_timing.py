@@ -42,7 +42,7 @@ class FakeBackend:
         end = t0 + int(self.profiled_us * 1e3)
         raw[0, 0, :5] = [t0, t0 + 100, t0 + 200, end - 100, end]
         out = summarize(raw, ["qkv"])
-        out.update(launch_ms=steps * self.per_step, raw=raw, step=steps // 2, steps=steps, stage_names=["qkv L0"])
+        out.update(launch_ms=steps * self.per_step, raw=raw, step=steps // 2, steps=steps, stage_names=["qkv[layer 0]"])
         return out
 
 
@@ -65,7 +65,7 @@ def test_rounds_interleave_the_builds_and_report_medians(tmp_path):
         assert r["ms_per_token_8_steps"] == pytest.approx(build.per_step * 1.02, rel=1e-6)
         assert r["profile_overhead"] == pytest.approx(build.profiled_us / (1e3 * build.per_step * 1.02) - 1)
         assert (tmp_path / f"profile-{name}.npy").exists()
-        assert json.loads((tmp_path / f"profile-{name}.json").read_text()) == {"stages": ["qkv L0"]}
+        assert json.loads((tmp_path / f"profile-{name}.json").read_text()) == {"stages": ["qkv[layer 0]"]}
     assert out["a"]["profile_overhead"] > 0.1 and out["b"]["profile_overhead"] < 0
     assert any("profile of step 4 of 8" in line and "a step unprofiled" in line for line in logged)
 

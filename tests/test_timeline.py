@@ -51,18 +51,18 @@ def test_stage_rows_put_each_stage_on_the_step_s_clock(tmp_path, capsys):
         raw[0, b] = stamps(t0, t0 + 500 + late, t0 + 1000 + late, t0 + 3000 + late, t0 + 4000 + late,
                            last=t0 + 2000 + late)
     raw[1, 2] = stamps(t0 + 8000, t0 + 9000, t0 + 9500, t0 + 10000, t0 + 12000)   # one tile, no chunks
-    text = stage_rows(raw, ["qkv L0", "attention L0"], range(2))
+    text = stage_rows(raw, ["qkv[layer 0]", "attention[layer 0]"], range(2))
     qkv, att = text.splitlines()[1:]
-    assert qkv.split()[:3] == ["qkv", "L0", "3"]
+    assert qkv.split()[:3] == ["qkv[layer", "0]", "3"]
     assert "4.00/   5.00/   8.00" in qkv                 # epilogue ends: min / median / max in us
     assert "2.00/   3.00/   6.00" in qkv                 # the producer's last chunk
-    assert att.split()[:3] == ["attention", "L0", "1"] and att.rstrip().endswith("-")
+    assert att.split()[:3] == ["attention[layer", "0]", "1"] and att.rstrip().endswith("-")
     # the command line reads the names devcheck saves beside the stamps
     np.save(tmp_path / "profile-x.npy", raw)
-    (tmp_path / "profile-x.json").write_text(json.dumps({"stages": ["qkv L0", "attention L0"]}))
+    (tmp_path / "profile-x.json").write_text(json.dumps({"stages": ["qkv[layer 0]", "attention[layer 0]"]}))
     assert main([str(tmp_path / "profile-x.npy"), "--stages", "1-1"]) == 0
     out = capsys.readouterr().out
-    assert "attention L0" in out and "qkv L0" not in out
+    assert "attention[layer 0]" in out and "qkv[layer 0]" not in out
     with pytest.raises(SystemExit):
         main([str(tmp_path / "profile-x.npy"), "--stages", "1-5"])
     assert "0 <= A <= B < 2" in capsys.readouterr().err

@@ -231,8 +231,7 @@ class GpuBackend:
         raw = self.kernel.read(REGION_PROFILE, 0, 8 * stages * blocks * len(FIELDS)).view(np.uint64)
         raw = raw.reshape(stages, blocks, len(FIELDS)).copy()
         out = summarize(raw, [s.kind for s in self.sched.stages])
-        out.update(launch_ms=ms, raw=raw, step=steps // 2, steps=steps,
-                   stage_names=[s.kind if s.kind == "lm_head" else f"{s.kind} L{s.layer}" for s in self.sched.stages])
+        out.update(launch_ms=ms, raw=raw, step=steps // 2, steps=steps, stage_names=[s.name for s in self.sched.stages])
         return out
 
     def generate_on_device(self, prompt, start: int, max_new: int, temperature: float = 0.0, seed: int = 0,

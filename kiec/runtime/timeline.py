@@ -70,18 +70,18 @@ def stage_rows(raw: np.ndarray, names: list, stages: range) -> str:
     has = t[..., 0] > 0
     t0 = t[..., 0][has].min()
     cols = ("begin", "waited", "prologue", "stream", "epilogue", "producer_last")
-    lines = [f"  {'stage':<16}{'tiles':>6}" + "".join(f"{c:>22}" for c in cols) + "   (us: min / median / max)"]
+    lines = [f"  {'stage':<20}{'tiles':>6}" + "".join(f"{c:>22}" for c in cols) + "   (us: min / median / max)"]
     for s in stages:
         h = has[s]
         if not h.any():
-            lines.append(f"  {names[s]:<16}{0:>6}")
+            lines.append(f"  {names[s]:<20}{0:>6}")
             continue
         cells = []
         for c in cols:
             v = t[s, :, FIELDS.index(c)][h]
             v = (v[v > 0] - t0) / 1e3                  # a block that issued none of the stage's chunks has no stamp
             cells.append(f"{v.min():7.2f}/{np.median(v):7.2f}/{v.max():7.2f}" if len(v) else "-")
-        lines.append(f"  {names[s]:<16}{int(h.sum()):>6}" + "".join(f"{c:>22}" for c in cells))
+        lines.append(f"  {names[s]:<20}{int(h.sum()):>6}" + "".join(f"{c:>22}" for c in cells))
     return "\n".join(lines)
 
 
