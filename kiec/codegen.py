@@ -110,13 +110,17 @@ REGISTER_FILE = 65536      # 32-bit registers of a multiprocessor; one block hol
 
 
 def consumer_registers(target: Target, grid) -> int:
-    """Registers a consumer thread takes once the producer's warpgroup has given its own back: the
-    register file less the producer group's, split over the consumer threads, in steps of 8 (at most
-    240). 0 where the target does not move registers."""
-    if not target.producer_registers:
+    """Registers a consumer thread takes once the producer's warpgroup has given its own back: what the
+    launch gave the block, less the producer group's, split over the consumer threads, in steps of 8
+    (at most 240). The launch gives every thread the same count, the register file over the threads in
+    steps of 8; setmaxnreg moves registers within that, so asking for more waits forever. 0 where the
+    target does not move registers."""
+    if not grid.producer_registers:
         return 0
-    producer = target.producer_warps * target.warp_size * target.producer_registers
-    return min(240, (REGISTER_FILE - producer) // (grid.consumer_warps * target.warp_size) // 8 * 8)
+    threads = (grid.consumer_warps + target.producer_warps) * target.warp_size
+    launched = REGISTER_FILE // threads // 8 * 8 * threads
+    producer = target.producer_warps * target.warp_size * grid.producer_registers
+    return min(240, (launched - producer) // (grid.consumer_warps * target.warp_size) // 8 * 8)
 
 
 def render(sched: Schedule, target: Target, module_name: str) -> dict:

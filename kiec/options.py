@@ -19,6 +19,8 @@ class CompileOptions:
     slot_groups: int | None = None      # consumer warp groups taking turns at the ring's slots (None: 1; tiled only)
     tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 4; tiled only)
     copies_in_flight: int | None = None  # a block's weight copies in flight in the layers at most (None: the target's; 0: no cap)
+    producer_registers: int | None = None  # registers a producer thread keeps, the consumers taking the rest (None: the target's)
+    ring_evict_first: int | None = None  # 1: the ring's copies carry L2's evict-first hint, 0: the normal policy (None: the target's)
     kv_in_flight: int | None = None     # K and V rows an attention lane has in flight: 1, 2 or 4, 2 and 4 with the next batch's prefetched (None: by query group)
     split_batches: int | None = None    # at least this many key batches an attention split takes (None: 4 where a batch is one pass over the keys, else 1)
     heads_per_pass: int | None = None   # at most this many query heads an attention pass over the keys scores, 1-8 (None: 4)
@@ -48,6 +50,10 @@ class CompileOptions:
             raise KiecError("tile_accumulators", self.tile_accumulators, "1, 2 or 4")
         if self.copies_in_flight is not None and not 0 <= self.copies_in_flight <= 64:
             raise KiecError("copies_in_flight", self.copies_in_flight, "0 (no cap) to 64 weight copies a block has in flight")
+        if self.producer_registers is not None and not (24 <= self.producer_registers <= 128 and self.producer_registers % 8 == 0):
+            raise KiecError("producer_registers", self.producer_registers, "a multiple of 8 from 24 to 128")
+        if self.ring_evict_first not in (None, 0, 1):
+            raise KiecError("ring_evict_first", self.ring_evict_first, "0 (the normal L2 policy) or 1 (evict first)")
         if self.kv_in_flight not in (None, 1, 2, 4):
             raise KiecError("kv_in_flight", self.kv_in_flight, "1, 2 or 4 K and V rows a lane has in flight")
         if self.split_batches is not None and not 1 <= self.split_batches <= 64:

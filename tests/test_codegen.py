@@ -74,11 +74,15 @@ def test_generated_kernel_compiles(tmp_path, name, target):
 OPTION_TEXTS = ["gemv_tiles=0", "gemv_tiles=0,reduce_batch=1", "gemv_tiles=0,reduce_batch=16,warp_release=1",
                 "timing_only=1", "timing_only=2", "gemv_tiles=0,timing_only=2", "slot_groups=2",
                 "tile_accumulators=1", "tile_accumulators=2", "kv_in_flight=4", "heads_per_pass=2",
-                "combine_in_attn_out=1", "combine_in_attn_out=1,gemv_tiles=0", "copies_in_flight=3"]
+                "combine_in_attn_out=1", "combine_in_attn_out=1,gemv_tiles=0", "copies_in_flight=3",
+                "ring_evict_first=0", "producer_registers=56"]
 
 
 def _option_fits(text: str, target) -> bool:
-    """Options a target refuses: tiled-only knobs where the matrices are rows."""
+    """Options a target refuses: tiled-only knobs where the matrices are rows, and register moves
+    where warps keep their registers."""
+    if "producer_registers" in text and not target.producer_registers:
+        return False
     return target.gemv_tiles or ("slot_groups" not in text and "tile_accumulators" not in text)
 
 

@@ -147,6 +147,41 @@ def test_copies_in_flight_come_from_the_target_unless_asked(models):
         CompileOptions.parse("copies_in_flight=-1")
 
 
+def test_ring_evict_first_comes_from_the_target_unless_asked(models):
+    spec = spec_of(models["tiny-llama"])
+    for target in TARGETS:
+        _, sched = build_schedule(spec.replace(target=target))
+        assert sched.grid.ring_evict_first == TARGETS[target].ring_evict_first
+        _, sched = build_schedule(spec.replace(target=target), options=CompileOptions.parse("ring_evict_first=0"))
+        assert not sched.grid.ring_evict_first
+    with pytest.raises(KiecError, match="ring_evict_first"):
+        build_schedule(spec.replace(target="hip:gfx942"), options=CompileOptions.parse("ring_evict_first=1"))
+
+
+def test_consumers_take_at_most_what_the_launch_gave_the_block(models):
+    """setmaxnreg moves registers within the launch's allocation (the register file over the threads,
+    in steps of 8 a thread): consumers asking for more than the producer gave back wait forever (a
+    producer keeping 48 hung the H200 with consumers at 232)."""
+    from kiec.codegen import consumer_registers
+    spec = spec_of(models["tiny-llama"]).replace(target="cuda:sm_90")
+    target = TARGETS["cuda:sm_90"]
+    seen = {}
+    for kept in range(24, 129, 8):
+        _, sched = build_schedule(spec, options=CompileOptions.parse(f"producer_registers={kept}"))
+        g = sched.grid
+        threads = (g.consumer_warps + target.producer_warps) * target.warp_size
+        launched = 65536 // threads // 8 * 8 * threads
+        consumers = consumer_registers(target, g)
+        assert consumers % 8 == 0 and consumers <= 240
+        assert consumers * g.consumer_warps * target.warp_size + kept * target.producer_warps * target.warp_size <= launched
+        seen[kept] = consumers
+    assert seen[40] == 232 and seen[48] == 224 and seen[56] == 224
+    with pytest.raises(KiecError, match="producer_registers"):
+        CompileOptions.parse("producer_registers=44")
+    with pytest.raises(KiecError, match="producer_registers"):
+        build_schedule(spec.replace(target="hip:gfx942"), options=CompileOptions.parse("producer_registers=48"))
+
+
 def test_attention_waits_for_exactly_the_qkv_tiles_of_its_group(models):
     spec = spec_of(models["tiny-qwen2"])
     _, sched = build_schedule(spec)

@@ -113,6 +113,8 @@ class Grid:
     slot_groups: int = 1            # consumer warp groups taking turns at the ring's slots (tiled matrices)
     tile_accumulators: int = 4      # independent accumulators a warp's tile products go round (tiled matrices)
     copies_in_flight: int = 0       # a block's weight copies in flight at most (0: as many as free slots)
+    producer_registers: int = 0     # registers a producer thread keeps once the roles split (0: no rebalancing)
+    ring_evict_first: bool = False  # the ring's copies carry L2's evict-first hint
 
     @property
     def blocks_per_lane(self) -> int:

@@ -29,7 +29,8 @@ Guarantees:
   partial sums, attention scratch) that fits the largest stage; where the partials go, a
   norm stage first stages its norm weights and the LM head one lane's h; a block keeps at most
   `copies_in_flight` weight copies in flight in the layers (the target's, 3 on the H200: a deeper
-  queue at the memory system delays every activation and counter read behind it);
+  queue at the memory system delays every activation and counter read behind it), and they carry
+  L2's evict-first hint where the target has one (`ring_evict_first`);
 Dependencies are implied by stage order: a GEMV tile waits for every tile of the
 stage before it (attn_out for each KV group's combined output, or every split tile when it
 combines them itself); an attention tile only for the qkv tiles that cover its KV group.
@@ -116,6 +117,10 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     stages = _attention_waits(stages)
     scratch = max(_scratch_bytes(s, warps, stages[s.index - 1] if s.kind == "attn_out" else None) for s in stages)
     slot_bytes = options.slot_bytes or target.slot_bytes
+    if options.ring_evict_first and not target.ring_evict_first:
+        raise KiecError("ring_evict_first", options.ring_evict_first, f"0 on {target.name}, whose producer copies with its own loads")
+    if options.producer_registers and not target.producer_registers:
+        raise KiecError("producer_registers", options.producer_registers, f"unset on {target.name}, whose warps keep their registers")
     slots = (target.smem_bytes - scratch - BARRIER_BYTES) // slot_bytes
     slots = min(slots, options.max_slots or slots)
     # warp groups taking turns skip every other phase of a slot's barriers: with an even slot count a
@@ -137,7 +142,10 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 timing_only=options.timing_only or 0, slot_groups=slot_groups,
                 tile_accumulators=options.tile_accumulators or 4,
                 copies_in_flight=min(target.copies_in_flight if options.copies_in_flight is None
-                                     else options.copies_in_flight, slots))
+                                     else options.copies_in_flight, slots),
+                producer_registers=options.producer_registers or target.producer_registers,
+                ring_evict_first=target.ring_evict_first if options.ring_evict_first is None
+                else bool(options.ring_evict_first))
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
 
