@@ -106,23 +106,6 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
         signals=0, trace=trace[s.index][0])
 
 
-REGISTER_FILE = 65536      # 32-bit registers of a multiprocessor; one block holds them all
-
-
-def consumer_registers(target: Target, grid) -> int:
-    """Registers a consumer thread takes once the producer's warpgroup has given its own back: what the
-    launch gave the block, less the producer group's, split over the consumer threads, in steps of 8
-    (at most 240). The launch gives every thread the same count, the register file over the threads in
-    steps of 8; setmaxnreg moves registers within that, so asking for more waits forever. 0 where the
-    target does not move registers."""
-    if not grid.producer_registers:
-        return 0
-    threads = (grid.consumer_warps + target.producer_warps) * target.warp_size
-    launched = REGISTER_FILE // threads // 8 * 8 * threads
-    producer = target.producer_warps * target.warp_size * grid.producer_registers
-    return min(240, (launched - producer) // (grid.consumer_warps * target.warp_size) // 8 * 8)
-
-
 def render(sched: Schedule, target: Target, module_name: str) -> dict:
     cfg = sched.config
     trace, trace_floats = trace_layout(sched)
@@ -161,7 +144,6 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              s_lane_stride=sy["__lane_stride"][0], s_total=sy["__total"][0],
              s_h_marked=sy["lane.h_marked"][0], s_act_marked=sy["lane.act_marked"][0])
     context = dict(model=sched.model, version=__version__, target=target, grid=sched.grid, c=c, m=m,
-                   consumer_registers=consumer_registers(target, sched.grid),
                    stages=stages, stage_kinds=[(k, i) for i, k in enumerate(STAGE_KINDS)],
                    group_signals=group_signals or [0], trace_floats=trace_floats, module_name=module_name,
                    p=sched.prefill, prefill_off=cfg.get("prefill_off"))

@@ -161,21 +161,30 @@ def test_ring_evict_first_comes_from_the_target_unless_asked(models):
 def test_consumers_take_at_most_what_the_launch_gave_the_block(models):
     """setmaxnreg moves registers within the launch's allocation (the register file over the threads,
     in steps of 8 a thread): consumers asking for more than the producer gave back wait forever (a
-    producer keeping 48 hung the H200 with consumers at 232)."""
-    from kiec.codegen import consumer_registers
+    producer keeping 48 hung the H200 with consumers at 232); a producer may only give registers and
+    the consumers only take (16 consumer warps launch with 96 a thread: a producer keeping 104 failed
+    in ptxas)."""
     spec = spec_of(models["tiny-llama"]).replace(target="cuda:sm_90")
     target = TARGETS["cuda:sm_90"]
     seen = {}
-    for kept in range(24, 129, 8):
-        _, sched = build_schedule(spec, options=CompileOptions.parse(f"producer_registers={kept}"))
-        g = sched.grid
-        threads = (g.consumer_warps + target.producer_warps) * target.warp_size
-        launched = 65536 // threads // 8 * 8 * threads
-        consumers = consumer_registers(target, g)
-        assert consumers % 8 == 0 and consumers <= 240
-        assert consumers * g.consumer_warps * target.warp_size + kept * target.producer_warps * target.warp_size <= launched
-        seen[kept] = consumers
-    assert seen[40] == 232 and seen[48] == 224 and seen[56] == 224
+    for warps in (4, 8, 16):
+        for kept in range(24, 129, 8):
+            text = f"consumer_warps={warps},producer_registers={kept}"
+            threads = (warps + target.producer_warps) * target.warp_size
+            launched = min(240, 65536 // threads // 8 * 8)
+            try:
+                _, sched = build_schedule(spec, options=CompileOptions.parse(text))
+            except KiecError as err:
+                assert "producer_registers" in str(err)
+                assert kept > launched or warps == 16, text      # refused only where it cannot work
+                continue
+            g = sched.grid
+            assert g.producer_registers == kept and kept <= launched, text
+            assert g.consumer_registers % 8 == 0 and launched <= g.consumer_registers <= 240, text
+            assert (g.consumer_registers * warps + kept * target.producer_warps) * target.warp_size <= launched * threads, text
+            seen[warps, kept] = g.consumer_registers
+    assert seen[8, 40] == 232 and seen[8, 48] == 224 and seen[8, 56] == 224
+    assert (16, 104) not in seen and (16, 96) in seen
     with pytest.raises(KiecError, match="producer_registers"):
         CompileOptions.parse("producer_registers=44")
     with pytest.raises(KiecError, match="producer_registers"):

@@ -114,6 +114,7 @@ class Grid:
     tile_accumulators: int = 4      # independent accumulators a warp's tile products go round (tiled matrices)
     copies_in_flight: int = 0       # a block's weight copies in flight at most (0: as many as free slots)
     producer_registers: int = 0     # registers a producer thread keeps once the roles split (0: no rebalancing)
+    consumer_registers: int = 0     # registers a consumer thread takes then (0: no rebalancing)
     ring_evict_first: bool = False  # the ring's copies carry L2's evict-first hint
 
     @property

@@ -31,6 +31,9 @@ Guarantees:
   `copies_in_flight` weight copies in flight in the layers (the target's, 3 on the H200: a deeper
   queue at the memory system delays every activation and counter read behind it), and they carry
   L2's evict-first hint where the target has one (`ring_evict_first`);
+- where the target moves registers between warpgroups (setmaxnreg), the producer's keeps
+  `producer_registers` a thread, at most what the launch gives, and the consumers take the rest
+  of the launch's allocation, never fewer than the launch gave them (`consumer_registers`);
 Dependencies are implied by stage order: a GEMV tile waits for every tile of the
 stage before it (attn_out for each KV group's combined output, or every split tile when it
 combines them itself); an attention tile only for the qkv tiles that cover its KV group.
@@ -45,6 +48,21 @@ from ..options import CompileOptions
 from ..targets import Target
 
 BARRIER_BYTES = 1024     # mbarriers and block-local flags
+REGISTER_FILE = 65536    # 32-bit registers of a multiprocessor; one block holds them all
+
+
+MAX_THREAD_REGISTERS = 240   # what a consumer thread asks for at most
+
+
+def _moved_registers(target: Target, warps: int, producer: int) -> tuple[int, int]:
+    """(what the launch gives every thread, what a consumer thread takes once the producer's warpgroup
+    keeps `producer`). The launch bounds split the register file over the block's threads in steps of
+    8, and ptxas uses no more than the consumers ask for (4 consumer warps: 240 of the 256 allowed);
+    setmaxnreg then moves registers only within that, in steps of 8."""
+    threads = (warps + target.producer_warps) * target.warp_size
+    launched = min(MAX_THREAD_REGISTERS, REGISTER_FILE // threads // 8 * 8)
+    left = launched * threads - producer * target.producer_warps * target.warp_size
+    return launched, min(MAX_THREAD_REGISTERS, left // (warps * target.warp_size) // 8 * 8)
 
 
 def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None, max_seq_len: int = 4096,
@@ -71,6 +89,18 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                         "unset where the matrices are not tiled (gemv_tiles=0 or the target)")
     if warps % slot_groups:
         raise KiecError("slot_groups", slot_groups, f"a divisor of the {warps} consumer warps")
+    # registers: the producer's warpgroup gives back all but `producer` a thread and the consumers take
+    # them; setmaxnreg.dec never raises a count and .inc never lowers one
+    if options.producer_registers and not target.producer_registers:
+        raise KiecError("producer_registers", options.producer_registers, f"unset on {target.name}, whose warps keep their registers")
+    producer_registers = options.producer_registers or target.producer_registers
+    consumer_registers = 0
+    if producer_registers:
+        launched, consumer_registers = _moved_registers(target, warps, producer_registers)
+        if producer_registers > launched or consumer_registers < launched:
+            raise KiecError("producer_registers", producer_registers,
+                            f"at most the {launched} a thread the launch gives with {warps} consumer warps, "
+                            f"leaving the consumers at least as many")
     stages = []
     for s in sched.stages:
         if s.gemv is not None:
@@ -89,11 +119,11 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 raise KiecError("config.head_dim", s.attr("head_dim"), f"at most {8 * target.warp_size} on {target.name}")
             # registers hold the rows in flight x 2 loads and group x 8 accumulators: fewer rows for
             # bigger groups; two rows or more are half this batch, half the next one (prefetch).
-            # Where the consumers take the producer's registers (setmaxnreg: 232 instead of 168), 4 rows
-            # fit any group with no spills while a pass scores at most 4 query heads (Llama-1B at context
-            # 8,192: 1.008 -> 0.878 ms; Qwen-1.5B's group of 6: 1.297 -> 1.238). kv_in_flight overrides.
+            # Where the consumers have taken the producer's registers (setmaxnreg: 232 instead of 168), 4
+            # rows fit any group with no spills while a pass scores at most 4 query heads (Llama-1B at
+            # context 8,192: 1.008 -> 0.878 ms; Qwen-1.5B's group of 6: 1.297 -> 1.238). kv_in_flight overrides.
             group = s.attr("heads") // s.attr("kv_heads")
-            roomy = target.producer_registers > 0
+            roomy = consumer_registers >= 224
             in_flight = options.kv_in_flight or (4 if roomy or group <= 2 else 2 if group == 3 else 1)
             prefetch = in_flight > 1
             rows = in_flight // 2 if prefetch else 1
@@ -119,8 +149,6 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     slot_bytes = options.slot_bytes or target.slot_bytes
     if options.ring_evict_first and not target.ring_evict_first:
         raise KiecError("ring_evict_first", options.ring_evict_first, f"0 on {target.name}, whose producer copies with its own loads")
-    if options.producer_registers and not target.producer_registers:
-        raise KiecError("producer_registers", options.producer_registers, f"unset on {target.name}, whose warps keep their registers")
     slots = (target.smem_bytes - scratch - BARRIER_BYTES) // slot_bytes
     slots = min(slots, options.max_slots or slots)
     # warp groups taking turns skip every other phase of a slot's barriers: with an even slot count a
@@ -143,7 +171,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 tile_accumulators=options.tile_accumulators or 4,
                 copies_in_flight=min(target.copies_in_flight if options.copies_in_flight is None
                                      else options.copies_in_flight, slots),
-                producer_registers=options.producer_registers or target.producer_registers,
+                producer_registers=producer_registers, consumer_registers=consumer_registers,
                 ring_evict_first=target.ring_evict_first if options.ring_evict_first is None
                 else bool(options.ring_evict_first))
     return dataclasses.replace(sched, stages=stages, grid=grid)
