@@ -49,8 +49,6 @@ from ..targets import Target
 
 BARRIER_BYTES = 1024     # mbarriers and block-local flags
 REGISTER_FILE = 65536    # 32-bit registers of a multiprocessor; one block holds them all
-
-
 MAX_THREAD_REGISTERS = 240   # what a consumer thread asks for at most
 
 
@@ -89,6 +87,8 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                         "unset where the matrices are not tiled (gemv_tiles=0 or the target)")
     if warps % slot_groups:
         raise KiecError("slot_groups", slot_groups, f"a divisor of the {warps} consumer warps")
+    if options.ring_evict_first and not target.ring_evict_first:
+        raise KiecError("ring_evict_first", options.ring_evict_first, f"0 on {target.name}, whose producer copies with its own loads")
     # registers: the producer's warpgroup gives back all but `producer` a thread and the consumers take
     # them; setmaxnreg.dec never raises a count and .inc never lowers one
     if options.producer_registers and not target.producer_registers:
@@ -119,9 +119,10 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 raise KiecError("config.head_dim", s.attr("head_dim"), f"at most {8 * target.warp_size} on {target.name}")
             # registers hold the rows in flight x 2 loads and group x 8 accumulators: fewer rows for
             # bigger groups; two rows or more are half this batch, half the next one (prefetch).
-            # Where the consumers have taken the producer's registers (setmaxnreg: 232 instead of 168), 4
-            # rows fit any group with no spills while a pass scores at most 4 query heads (Llama-1B at
-            # context 8,192: 1.008 -> 0.878 ms; Qwen-1.5B's group of 6: 1.297 -> 1.238). kv_in_flight overrides.
+            # Where the consumers have taken the producer's registers (setmaxnreg: 232 instead of 168; 224,
+            # with a producer keeping 56, compiled spill-free for Qwen-1.5B too), 4 rows fit any group
+            # with no spills while a pass scores at most 4 query heads (Llama-1B at context 8,192: 1.008
+            # -> 0.878 ms; Qwen-1.5B's group of 6: 1.297 -> 1.238). kv_in_flight overrides.
             group = s.attr("heads") // s.attr("kv_heads")
             roomy = consumer_registers >= 224
             in_flight = options.kv_in_flight or (4 if roomy or group <= 2 else 2 if group == 3 else 1)
@@ -147,8 +148,6 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     stages = _attention_waits(stages)
     scratch = max(_scratch_bytes(s, warps, stages[s.index - 1] if s.kind == "attn_out" else None) for s in stages)
     slot_bytes = options.slot_bytes or target.slot_bytes
-    if options.ring_evict_first and not target.ring_evict_first:
-        raise KiecError("ring_evict_first", options.ring_evict_first, f"0 on {target.name}, whose producer copies with its own loads")
     slots = (target.smem_bytes - scratch - BARRIER_BYTES) // slot_bytes
     slots = min(slots, options.max_slots or slots)
     # warp groups taking turns skip every other phase of a slot's barriers: with an even slot count a
