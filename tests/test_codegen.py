@@ -97,6 +97,18 @@ def test_consumer_options_compile(tmp_path, text, target):
         assert "0 bytes spill stores" in report, report
 
 
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-lanes2"])
+def test_attention_by_head_compiles(tmp_path, name, target):
+    _need(COMPILERS[target])
+    spec = _spec(tmp_path, name).replace(target=target)
+    _, sched, files, _ = render_sources(spec, options=CompileOptions.parse("attention_by_head=1"))
+    assert "constexpr bool BY_HEAD = true;" in files["kernel.hip"]
+    report = check(files, get_target(target), tmp_path / "build")
+    if target == "cuda:sm_90":
+        assert "0 bytes spill stores" in report, report
+
+
 def test_attn_out_waits_for_every_split_tile_where_it_combines_them(tmp_path):
     from kiec.codegen import _stage_entry, trace_layout
     spec = _spec(tmp_path, "tiny-mistral-window-kv1-hd32")          # one KV head, several splits

@@ -191,6 +191,23 @@ def test_consumers_take_at_most_what_the_launch_gave_the_block(models):
         build_schedule(spec.replace(target="hip:gfx942"), options=CompileOptions.parse("producer_registers=48"))
 
 
+def test_attention_by_head_needs_a_tile_for_each_query_head(models):
+    from kiec.codegen import _stage_entry, trace_layout
+    spec = spec_of(models["tiny-llama"])
+    _, sched = build_schedule(spec, options=CompileOptions.parse("attention_by_head=1"))
+    att = next(s for s in sched.stages if s.kind == "attention")
+    group = att.attr("heads") // att.attr("kv_heads")
+    assert att.attr("by_head") and att.attr("splits") >= group > 1
+    # attn_out waits for every query head's signal, not one a KV group
+    trace, _ = trace_layout(sched)
+    out = sched.stages[att.index + 1]
+    assert _stage_entry(sched, out, trace, False)["wait_count"] == att.attr("kv_heads") * group
+    _, plain = build_schedule(spec)
+    assert _stage_entry(plain, plain.stages[att.index + 1], trace_layout(plain)[0], False)["wait_count"] == att.attr("kv_heads")
+    with pytest.raises(KiecError, match="attention_by_head"):
+        build_schedule(spec, options=CompileOptions.parse("attention_by_head=1,combine_in_attn_out=1"))
+
+
 def test_attention_waits_for_exactly_the_qkv_tiles_of_its_group(models):
     spec = spec_of(models["tiny-qwen2"])
     _, sched = build_schedule(spec)

@@ -137,7 +137,15 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             # is then the attention's, with no ticket and no combine (Llama-1B at position 200: 0.741 ->
             # 0.723 ms); Qwen-1.5B's two passes per batch lost with 2, 3 and 4 (1.157 -> 1.195 to 1.233)
             split_batches = options.split_batches or (4 if passes == 1 else 1)
-            attrs = dict(s.attrs, splits=splits, batch=batch, rows=rows, prefetch=prefetch,
+            # a context in one split can go to a query head a tile where the lane has a tile for each
+            # (its outputs are then complete: no ticket, no combine); attn_out combining the splits
+            # itself has no such case
+            by_head = bool(options.attention_by_head)
+            if by_head and (options.combine_in_attn_out or splits < group):
+                raise KiecError("attention_by_head", options.attention_by_head,
+                                f"0 where attn_out combines the splits or a KV head has fewer than its {group} "
+                                f"query heads' tiles ({splits})")
+            attrs = dict(s.attrs, splits=splits, batch=batch, rows=rows, prefetch=prefetch, by_head=by_head,
                          min_split=batch * split_batches,
                          pass_heads=-(-group // passes), combine_in_attn_out=bool(options.combine_in_attn_out))
             stages.append(dataclasses.replace(s, tiles=s.attr("kv_heads") * splits,
