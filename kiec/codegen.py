@@ -83,7 +83,7 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
         wait = sync[f"lane.done.{prev.index}"][0]
         combined = prev.kind == "attention" and not prev.attr("combine_in_attn_out")    # once per KV group
         # by query head, a KV group's output is done once each of its heads' tiles has signalled
-        per_group = prev.attr("heads") // prev.attr("kv_heads") if prev.kind == "attention" and prev.attr("by_head") else 1
+        per_group = prev.attr("heads") // prev.attr("kv_heads") if prev.kind == "attention" and prev.attr("by_head_keys") else 1
         wait_count = prev.attr("kv_heads") * per_group if combined else prev.tiles
     norm = {"qkv": "attn_norm", "gate_up": "ffn_norm"}.get(s.kind)
     groups = tickets = 0
@@ -129,7 +129,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              vocab=cfg["vocab"], max_seq=cfg["max_seq_len"], layers=cfg["layers"], batch=att.attr("batch"),
              splits=att.attr("splits"), min_split=att.attr("min_split"), attention_rows=att.attr("rows"), attention_prefetch=att.attr("prefetch"),
              attention_pass_heads=att.attr("pass_heads"), combine_in_attn_out=att.attr("combine_in_attn_out"),
-             attention_by_head=att.attr("by_head", False), x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
+             attention_by_head_keys=att.attr("by_head_keys", 0), x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
              gemv_tiles=all(s.gemv.tiled for s in sched.gemv_stages()), tile_rows=TILE_ROWS, tile_cols=TILE_COLS)
     m = dict(w_embed=w["embed"][0], w_final_norm=w["final_norm"][0], w_rope=w["rope"][0],
              w_lanes_base=w["__lanes_base"][0], w_lane_stride=w["__lane_stride"][0], w_total=w["__total"][0],

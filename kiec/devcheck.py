@@ -138,9 +138,10 @@ def check_model(name, spec, cfg, compiled, log, keep: dict | None = None):
 PROFILE_AT = 200        # the position of the profile's launch, and of the 8-step launches beside it
 
 
-def time_round(backend, max_seq_len: int) -> dict:
+def time_round(backend, max_seq_len: int, positions: tuple = ()) -> dict:
     """One round of ms/token: single-step launches (one per step) and one 256-step launch (one per
-    sequence) at short context, 8-step launches at the profile's position, 64 steps at context 8192."""
+    sequence) at short context, 8-step launches at the profile's position, 64 steps at context 8192,
+    and an 8-step launch starting at each of `positions` that the model's length allows."""
     per_step = []
     for i in range(15):
         backend._launch([1 + i], 1, 16 + i)
@@ -156,10 +157,14 @@ def time_round(backend, max_seq_len: int) -> dict:
     if max_seq_len >= 8192:
         backend._launch([1], 64, 8192 - 64)
         res["ms_per_token_ctx8192"] = backend._finish() / 64
+    for p in positions:
+        if p + 8 <= max_seq_len:
+            backend._launch([1], 8, p)
+            res[f"ms_per_token_at_{p}"] = backend._finish() / 8
     return res
 
 
-def time_builds(builds: dict, rounds: int, out_dir: Path | None, log) -> dict:
+def time_builds(builds: dict, rounds: int, out_dir: Path | None, log, positions: tuple = ()) -> dict:
     """builds: label -> (backend, max_seq_len), builds of one model. Interleaved rounds of time_round,
     then each build's profile (its raw stamps saved as out_dir/profile-LABEL.npy). Returns label ->
     medians over the rounds, the profile and its overhead; or a build's `timing_error`, which leaves
@@ -176,7 +181,7 @@ def time_builds(builds: dict, rounds: int, out_dir: Path | None, log) -> dict:
             if label in out:
                 continue
             try:
-                samples[label].append(time_round(backend, max_seq_len))
+                samples[label].append(time_round(backend, max_seq_len, positions))
             except Exception as err:
                 failed(label, err)
     for label, (backend, _) in builds.items():
@@ -203,6 +208,9 @@ def time_builds(builds: dict, rounds: int, out_dir: Path | None, log) -> dict:
                                f"{100 * res['profile_overhead']:+.1f}%):\n" + format_summary(prof))
         log(f"{label}: {res['ms_per_token_one_launch']:.4f} ms/token one launch, "
             f"{res['ms_per_token_launch_per_step']:.4f} one launch per step (medians of {rounds} rounds)")
+        swept = [f"{p}: {res[f'ms_per_token_at_{p}']:.4f}" for p in positions if f"ms_per_token_at_{p}" in res]
+        if swept:
+            log(f"  ms/token of 8-step launches from position {', '.join(swept)}")
         log(res["profile_text"])
         out[label] = res
     return out
@@ -216,9 +224,16 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="", help="';'-separated compile options to build and time")
     ap.add_argument("--variant-model", default="llama-3.2-1b")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of each build (medians reported)")
+    ap.add_argument("--positions", default="", help="','-separated positions to time 8-step launches from as well")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         raise KiecError("--rounds", args.rounds, "at least 1")
+    try:
+        positions = tuple(int(p) for p in args.positions.split(",") if p.strip())
+    except ValueError:
+        raise KiecError("--positions", args.positions, "','-separated whole numbers") from None
+    if any(p < 0 for p in positions):
+        raise KiecError("--positions", args.positions, "positions of 0 or more")
     from .options import CompileOptions
     variants = [CompileOptions.parse(v) for v in args.variants.split(";") if v.strip()]
     out_dir = Path(args.out)
@@ -258,7 +273,7 @@ def main(argv=None) -> int:
             if n == args.variant_model and variants:
                 together.update(build)
             elif args.bench:
-                out.update(time_builds(build, args.rounds, out_dir, log)[n])
+                out.update(time_builds(build, args.rounds, out_dir, log, positions)[n])
             del backend, build
         except Exception as err:
             log(f"{n}: FAILED {type(err).__name__}: {err}")
@@ -280,7 +295,7 @@ def main(argv=None) -> int:
         (out_dir / "devcheck.json").write_text(json.dumps(results, indent=1, default=str))
     if together:
         try:
-            times = time_builds(together, args.rounds, out_dir, log)
+            times = time_builds(together, args.rounds, out_dir, log, positions)
             for r in results["models"]:
                 r.update(times.get(r["model"], {}))
         except Exception as err:

@@ -24,7 +24,7 @@ class CompileOptions:
     kv_in_flight: int | None = None     # K and V rows an attention lane has in flight: 1, 2 or 4, 2 and 4 with the next batch's prefetched (None: by query group)
     split_batches: int | None = None    # at least this many key batches an attention split takes (None: 4 where a batch is one pass over the keys, else 1)
     heads_per_pass: int | None = None   # at most this many query heads an attention pass over the keys scores, 1-8 (None: 4)
-    attention_by_head: int | None = None  # 1: a context in one split is scored a query head a tile, no combine (None/0: a KV group a tile)
+    attention_by_head: int | None = None  # N: a context of up to N keys is scored a query head a tile, whole, no combine (None: 512 where it can; 0: never)
     combine_in_attn_out: int | None = None  # 1: attn_out's prologue combines attention's splits (no last-split combine; None/0: the last split does)
     # timing only, the outputs are wrong: 1 leaves the weight copies out (the consumers' own pace),
     # 2 leaves the consumers' arithmetic out (the stream and the handshakes alone)
@@ -61,8 +61,8 @@ class CompileOptions:
             raise KiecError("split_batches", self.split_batches, "1 to 64 key batches an attention split takes at least")
         if self.heads_per_pass is not None and not 1 <= self.heads_per_pass <= 8:
             raise KiecError("heads_per_pass", self.heads_per_pass, "1 to 8 query heads a pass over the keys scores")
-        if self.attention_by_head not in (None, 0, 1):
-            raise KiecError("attention_by_head", self.attention_by_head, "0 or 1")
+        if self.attention_by_head is not None and not 0 <= self.attention_by_head <= 65536:
+            raise KiecError("attention_by_head", self.attention_by_head, "0 to 65536 keys a query head's tile scores at most")
         if self.combine_in_attn_out not in (None, 0, 1):
             raise KiecError("combine_in_attn_out", self.combine_in_attn_out, "0 (the last split combines) or 1 (attn_out does)")
         if self.timing_only not in (None, 0, 1, 2):

@@ -75,7 +75,7 @@ OPTION_TEXTS = ["gemv_tiles=0", "gemv_tiles=0,reduce_batch=1", "gemv_tiles=0,red
                 "timing_only=1", "timing_only=2", "gemv_tiles=0,timing_only=2", "slot_groups=2",
                 "tile_accumulators=1", "tile_accumulators=2", "kv_in_flight=4", "heads_per_pass=2",
                 "combine_in_attn_out=1", "combine_in_attn_out=1,gemv_tiles=0", "copies_in_flight=3",
-                "ring_evict_first=0", "producer_registers=56"]
+                "ring_evict_first=0", "producer_registers=56", "attention_by_head=0"]
 
 
 def _option_fits(text: str, target) -> bool:
@@ -97,22 +97,12 @@ def test_consumer_options_compile(tmp_path, text, target):
         assert "0 bytes spill stores" in report, report
 
 
-@pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-lanes2"])
-def test_attention_by_head_compiles(tmp_path, name, target):
-    _need(COMPILERS[target])
-    spec = _spec(tmp_path, name).replace(target=target)
-    _, sched, files, _ = render_sources(spec, options=CompileOptions.parse("attention_by_head=1"))
-    assert "constexpr bool BY_HEAD = true;" in files["kernel.hip"]
-    report = check(files, get_target(target), tmp_path / "build")
-    if target == "cuda:sm_90":
-        assert "0 bytes spill stores" in report, report
-
-
 def test_attn_out_waits_for_every_split_tile_where_it_combines_them(tmp_path):
     from kiec.codegen import _stage_entry, trace_layout
     spec = _spec(tmp_path, "tiny-mistral-window-kv1-hd32")          # one KV head, several splits
-    for text in ("", "combine_in_attn_out=1"):
+    # attn_out waits for a signal each split tile (attn_out combines), each KV group (its last split
+    # combines) or each query head (every KV group's heads signal, whether by head or combined)
+    for text in ("combine_in_attn_out=1", "attention_by_head=0", ""):
         _, sched, files, _ = render_sources(spec, options=CompileOptions.parse(text))
         trace, _ = trace_layout(sched)
         outs = [s for s in sched.stages if s.kind == "attn_out"]
@@ -120,9 +110,10 @@ def test_attn_out_waits_for_every_split_tile_where_it_combines_them(tmp_path):
         for s in outs:
             att = sched.stages[s.index - 1]
             assert att.tiles > att.attr("kv_heads")
-            want = att.tiles if text else att.attr("kv_heads")
+            want = {"combine_in_attn_out=1": att.tiles, "attention_by_head=0": att.attr("kv_heads"),
+                    "": att.attr("heads")}[text]
             assert _stage_entry(sched, s, trace, False)["wait_count"] == want, text
-        assert ("constexpr bool COMBINE_IN_ATTN_OUT = true;" in files["kernel.hip"]) == bool(text)
+        assert ("constexpr bool COMBINE_IN_ATTN_OUT = true;" in files["kernel.hip"]) == text.startswith("combine")
 
 
 def test_generated_source_is_readable_and_in_sync_with_the_stage_table(tmp_path):

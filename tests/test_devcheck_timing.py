@@ -85,3 +85,19 @@ def test_a_build_that_fails_leaves_the_others_timed(tmp_path):
 def test_rounds_below_one_are_refused_before_any_device_work(tmp_path):
     with pytest.raises(KiecError, match="--rounds"):
         main(["--rounds", "0", "--out", str(tmp_path)])
+
+
+def test_positions_are_timed_where_the_model_reaches_them(tmp_path):
+    FakeBackend.launches = []
+    short = FakeBackend("short", per_step=0.70, profiled_us=700.0)
+    logged = []
+    out = time_builds({"short": (short, 1024)}, rounds=3, out_dir=None, log=logged.append, positions=(300, 1020))
+    assert out["short"]["ms_per_token_at_300"] == pytest.approx(0.70 * 1.02, rel=1e-6)
+    assert "ms_per_token_at_1020" not in out["short"]            # 8 steps from 1020 pass the model's 1024
+    assert ("short", 8, 300) in FakeBackend.launches and not any(start == 1020 for _, _, start in FakeBackend.launches)
+    assert any("from position 300: 0.7140" in line for line in logged)
+
+
+def test_positions_must_be_whole_numbers(tmp_path):
+    with pytest.raises(KiecError, match="--positions"):
+        main(["--positions", "128,abc", "--out", str(tmp_path)])

@@ -194,18 +194,24 @@ def test_consumers_take_at_most_what_the_launch_gave_the_block(models):
 def test_attention_by_head_needs_a_tile_for_each_query_head(models):
     from kiec.codegen import _stage_entry, trace_layout
     spec = spec_of(models["tiny-llama"])
-    _, sched = build_schedule(spec, options=CompileOptions.parse("attention_by_head=1"))
+    _, sched = build_schedule(spec, options=CompileOptions.parse("attention_by_head=300"))
     att = next(s for s in sched.stages if s.kind == "attention")
     group = att.attr("heads") // att.attr("kv_heads")
-    assert att.attr("by_head") and att.attr("splits") >= group > 1
+    assert att.attr("by_head_keys") == 300 and att.attr("splits") >= group > 1
     # attn_out waits for every query head's signal, not one a KV group
     trace, _ = trace_layout(sched)
     out = sched.stages[att.index + 1]
     assert _stage_entry(sched, out, trace, False)["wait_count"] == att.attr("kv_heads") * group
-    _, plain = build_schedule(spec)
+    # by default up to 512 keys go by head; with 0, none, and attn_out waits for a signal a KV group
+    _, default = build_schedule(spec)
+    assert next(s for s in default.stages if s.kind == "attention").attr("by_head_keys") == 512
+    _, plain = build_schedule(spec, options=CompileOptions.parse("attention_by_head=0"))
     assert _stage_entry(plain, plain.stages[att.index + 1], trace_layout(plain)[0], False)["wait_count"] == att.attr("kv_heads")
+    # attn_out combining the splits has no by-head case: refused when asked, off by default
     with pytest.raises(KiecError, match="attention_by_head"):
-        build_schedule(spec, options=CompileOptions.parse("attention_by_head=1,combine_in_attn_out=1"))
+        build_schedule(spec, options=CompileOptions.parse("attention_by_head=64,combine_in_attn_out=1"))
+    _, combined = build_schedule(spec, options=CompileOptions.parse("combine_in_attn_out=1"))
+    assert next(s for s in combined.stages if s.kind == "attention").attr("by_head_keys") == 0
 
 
 def test_attention_waits_for_exactly_the_qkv_tiles_of_its_group(models):
@@ -393,6 +399,14 @@ def test_attention_splits_cover_the_context_in_whole_batches(splits, batch, min_
             assert (used - 1) * length < pos + 1 - lo <= used * length       # every split has keys
             if pos + 1 - lo <= min_batches * batch:
                 assert used == 1                                            # a short context: no combine
+
+
+def test_attention_splits_give_a_context_up_to_by_head_keys_one_split():
+    # 64 splits of one batch would cover 200 keys in 4 splits; scored by head they are one split
+    assert attention_splits(0, 199, 64, 64, 64) == (64, 4)
+    assert attention_splits(0, 199, 64, 64, 64, by_head_keys=512) == (256, 1)
+    assert attention_splits(10, 521, 64, 64, 64, by_head_keys=512) == (512, 1)         # 512 keys from 10
+    assert attention_splits(0, 512, 64, 64, 64, by_head_keys=512) == (64, 9)           # 513: split again
 
 
 @pytest.mark.parametrize("name,blocks,text", [("tiny-mistral", None, "split_batches=1"),

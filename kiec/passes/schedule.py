@@ -137,15 +137,21 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             # is then the attention's, with no ticket and no combine (Llama-1B at position 200: 0.741 ->
             # 0.723 ms); Qwen-1.5B's two passes per batch lost with 2, 3 and 4 (1.157 -> 1.195 to 1.233)
             split_batches = options.split_batches or (4 if passes == 1 else 1)
-            # a context in one split can go to a query head a tile where the lane has a tile for each
-            # (its outputs are then complete: no ticket, no combine); attn_out combining the splits
-            # itself has no such case
-            by_head = bool(options.attention_by_head)
-            if by_head and (options.combine_in_attn_out or splits < group):
+            # a short context can go to a query head a tile, each over the whole context, where the lane
+            # has a tile for each (its outputs are then complete: no ticket, no combine); attn_out
+            # combining the splits itself has no such case, and a group of one has nothing to divide.
+            # Up to 512 keys it is faster than splits and a combine for both shapes timed (8-step
+            # launches from positions 128-512: Llama-1B 1.7-6.2% a step, Qwen-1.5B 3.9-8.2%); they break
+            # even near 640 and 768 keys and lose beyond (Llama-1B at 1,000: +7%). Not by default with
+            # lanes: beside their exchange, ptxas keeps one value in local memory (a 4-byte spill).
+            by_head_fits = group > 1 and not options.combine_in_attn_out and splits >= group
+            if options.attention_by_head and not by_head_fits:
                 raise KiecError("attention_by_head", options.attention_by_head,
-                                f"0 where attn_out combines the splits or a KV head has fewer than its {group} "
-                                f"query heads' tiles ({splits})")
-            attrs = dict(s.attrs, splits=splits, batch=batch, rows=rows, prefetch=prefetch, by_head=by_head,
+                                f"0 where attn_out combines the splits, a KV head has fewer than its {group} "
+                                f"query heads' tiles ({splits}) or a group has one head")
+            by_head_keys = (options.attention_by_head if options.attention_by_head is not None
+                            else 512 * (by_head_fits and lanes == 1))
+            attrs = dict(s.attrs, splits=splits, batch=batch, rows=rows, prefetch=prefetch, by_head_keys=by_head_keys,
                          min_split=batch * split_batches,
                          pass_heads=-(-group // passes), combine_in_attn_out=bool(options.combine_in_attn_out))
             stages.append(dataclasses.replace(s, tiles=s.attr("kv_heads") * splits,
@@ -184,10 +190,14 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
 
-def attention_splits(lo: int, pos: int, splits: int, batch: int, min_length: int) -> tuple[int, int]:
+def attention_splits(lo: int, pos: int, splits: int, batch: int, min_length: int,
+                     by_head_keys: int = 0) -> tuple[int, int]:
     """(split length, splits used) for the keys lo..pos: whole batches, at least `min_length` keys
-    (a multiple of batch), at most `splits` of them. The kernel works the same numbers out at every step."""
+    (a multiple of batch), at most `splits` of them; or one split where the context has at most
+    `by_head_keys` keys (scored a query head a tile). The kernel works the same numbers out at every step."""
     n = pos + 1 - lo
+    if n <= by_head_keys:
+        return -(-n // batch) * batch, 1
     length = max(-(-(-(-n // splits)) // batch) * batch, min_length)
     return length, -(-n // length)
 

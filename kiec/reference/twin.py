@@ -123,7 +123,8 @@ class Twin:
         heads, kv, hd, window = st.attr("heads"), st.attr("kv_heads"), st.attr("head_dim"), st.attr("window")
         group = heads // kv
         lo = max(0, pos - window + 1) if window else 0
-        length, used = attention_splits(lo, pos, st.attr("splits"), st.attr("batch"), st.attr("min_split"))
+        length, used = attention_splits(lo, pos, st.attr("splits"), st.attr("batch"), st.attr("min_split"),
+                                        st.attr("by_head_keys", 0))
         out = np.zeros((heads, hd), np.float32)
         scale = 1.0 / np.sqrt(hd)
         for j in range(kv):
