@@ -12,6 +12,7 @@ from pathlib import Path
 import jinja2
 
 from . import __version__
+from .errors import KiecError
 from .ir.schedule import STAGE_KINDS, TILE_COLS, TILE_ROWS, Schedule
 from .targets import Target
 
@@ -119,6 +120,10 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
             entry["signals"] = len(group_signals)
             group_signals.extend(s.attr("group_signals"))
     att = next(s for s in sched.stages if s.kind == "attention")
+    # the kernel's attention constants are the first attention stage's: every other must agree where it
+    # changes what attn_out counts (_stage_entry reads each stage's own)
+    if any(s.attr("by_head_keys") != att.attr("by_head_keys") for s in sched.stages if s.kind == "attention"):
+        raise KiecError("attention_by_head", att.attr("by_head_keys"), "the same key count in every layer")
     # x chunks one lane keeps in registers: enough for the widest segment, at most 4 (32 registers);
     # a stage with wider segments reads x from shared memory instead
     widest = max(s.gemv.seg_width for s in sched.gemv_stages())

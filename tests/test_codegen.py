@@ -75,7 +75,7 @@ OPTION_TEXTS = ["gemv_tiles=0", "gemv_tiles=0,reduce_batch=1", "gemv_tiles=0,red
                 "timing_only=1", "timing_only=2", "gemv_tiles=0,timing_only=2", "slot_groups=2",
                 "tile_accumulators=1", "tile_accumulators=2", "kv_in_flight=4", "heads_per_pass=2",
                 "combine_in_attn_out=1", "combine_in_attn_out=1,gemv_tiles=0", "copies_in_flight=3",
-                "ring_evict_first=0", "producer_registers=56", "attention_by_head=0"]
+                "ring_evict_first=0", "producer_registers=56"]
 
 
 def _option_fits(text: str, target) -> bool:
@@ -95,6 +95,18 @@ def test_consumer_options_compile(tmp_path, text, target):
     report = check(files, get_target(target), tmp_path / "build")
     if target == "cuda:sm_90":
         assert "0 bytes spill stores" in report, report
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_attention_with_and_without_by_head_tiles_compiles(tmp_path, target):
+    _need(COMPILERS[target])
+    spec = _spec(tmp_path, "tiny-llama").replace(target=target)             # a group of 2, 2 splits
+    for text, keys in (("", 512), ("attention_by_head=0", 0)):
+        _, sched, files, _ = render_sources(spec, options=CompileOptions.parse(text))
+        assert f"constexpr uint32_t BY_HEAD_KEYS = {keys};" in files["kernel.hip"]
+        report = check(files, get_target(target), tmp_path / f"build{keys}")
+        if target == "cuda:sm_90":
+            assert "0 bytes spill stores" in report, report
 
 
 def test_attn_out_waits_for_every_split_tile_where_it_combines_them(tmp_path):

@@ -6,6 +6,8 @@
 - the real SmolLM2-135M: 64 greedy tokens identical to transformers fp32, or the first divergence a
   near-tie of the reference's two top logits;
 - shapes with tails (vocab 1001, head_dim 128 and 256, one KV head) against the Python twin;
+- every attention path (a query head a tile, one split, splits and their combine) across one
+  context, against the twin;
 - 500 decode steps twice: bitwise-identical tokens and logits; a timeout is an error, not a hang;
 - compute-sanitizer memcheck and racecheck clean on a small model;
 - lanes on one GPU (each lane its own blocks, weights, KV cache and inbox): exact TP at L = 2, 4, 8
@@ -116,23 +118,50 @@ def test_teacher_forced_logits_match_transformers(built, name):
     assert agree >= 0.98
 
 
-@pytest.mark.parametrize("name", list(TWIN_SHAPES))
-def test_tails_and_head_dims_match_the_twin(built, name):
+def twin_logits(spec, compiled, tokens) -> np.ndarray:
+    """The Python twin's logits of `tokens` teacher-forced from position 0, on the build's packed weights."""
     from kiec.pack import pack_weights
     from kiec.reference.twin import Twin
     from kiec.weights import load_checkpoint, materialize
-    spec, compiled = built[name]
-    backend = backend_of(built, name)
     ckpt = load_checkpoint(spec)
     blob = pack_weights(compiled.sched, {t.name: materialize(ckpt, t) for t in compiled.graph.weights()},
                         spec.config, spec.max_seq_len, spec.dtype)
     twin = Twin(compiled.sched, blob, spec.config, spec.max_seq_len, spec.dtype)
+    return np.stack([twin.step(t, i)[0] for i, t in enumerate(tokens)])
+
+
+@pytest.mark.parametrize("name", list(TWIN_SHAPES))
+def test_tails_and_head_dims_match_the_twin(built, name):
+    spec, compiled = built[name]
+    backend = backend_of(built, name)
     tokens = [int(t) for t in np.random.default_rng().integers(spec.config.vocab, size=40)]
     backend.poison()
     got = backend.teacher_forced(tokens, 0)
-    want = np.stack([twin.step(t, i)[0] for i, t in enumerate(tokens)])
-    errs, agree = logit_errors(got, want)
+    errs, agree = logit_errors(got, twin_logits(spec, compiled, tokens))
     assert errs.max() <= 1e-2 and agree >= 0.95, (errs.max(), agree)
+
+
+def test_every_attention_path_matches_the_twin_across_a_context(tmp_path):
+    """A Llama-1B-shaped model (4 layers) built so that 100 steps from position 0 take every attention
+    path in turn: a query head a tile (up to 32 keys), one split alone (up to 64), then splits and the
+    last one's combine. The defaults stay under 512 keys in every other test here."""
+    from kiec.options import CompileOptions
+    from kiec.runtime.gpu import CompiledModel, GpuBackend, device_multiprocessors
+    folder = write_random_model(tmp_path / "llama", LANE_LLAMA, seed=23, dtype="bf16")
+    spec = load_spec({"weights": str(folder), "max_seq_len": 256})
+    options = CompileOptions.parse("attention_by_head=32,split_batches=1")
+    compiled = CompiledModel(spec, device_multiprocessors(), tmp_path / "build", True, options=options)
+    att = next(s for s in compiled.sched.stages if s.kind == "attention")
+    assert att.attr("by_head_keys") == 32 and att.attr("batch") == 64 and att.attr("min_split") == 64
+    backend = GpuBackend(spec, compiled=compiled, quiet=True)
+    tokens = [int(t) for t in np.random.default_rng().integers(spec.config.vocab, size=100)]
+    backend.poison()
+    got = backend.teacher_forced(tokens, 0)
+    want = twin_logits(spec, compiled, tokens)
+    assert np.all(np.isfinite(got))
+    for lo, hi in ((0, 32), (32, 64), (64, 100)):           # by head, alone, split and combined
+        errs, agree = logit_errors(got[lo:hi], want[lo:hi])
+        assert errs.max() <= 1e-2 and agree >= 0.95, (lo, hi, errs.max(), agree)
 
 
 @pytest.mark.parametrize("lanes", LANE_COUNTS[1:])

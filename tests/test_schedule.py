@@ -212,6 +212,22 @@ def test_attention_by_head_needs_a_tile_for_each_query_head(models):
         build_schedule(spec, options=CompileOptions.parse("attention_by_head=64,combine_in_attn_out=1"))
     _, combined = build_schedule(spec, options=CompileOptions.parse("combine_in_attn_out=1"))
     assert next(s for s in combined.stages if s.kind == "attention").attr("by_head_keys") == 0
+    # with lanes it is off by default (a spill there) and on where asked
+    _, lanes = build_schedule(spec_of(models["tiny-llama"], lanes=2))
+    assert all(s.attr("by_head_keys") == 0 for s in lanes.stages if s.kind == "attention")
+    _, asked = build_schedule(spec_of(models["tiny-llama"], lanes=2), options=CompileOptions.parse("attention_by_head=512"))
+    assert all(s.attr("by_head_keys") == 512 for s in asked.stages if s.kind == "attention")
+
+
+def test_attention_by_head_needs_as_many_splits_as_a_group_has_heads(models):
+    # tiny-qwen2 on 132 blocks: a KV head gets 2 split tiles for its group of 3 query heads
+    spec = spec_of(models["tiny-qwen2"])
+    _, sched = build_schedule(spec)
+    att = next(s for s in sched.stages if s.kind == "attention")
+    assert att.attr("splits") < att.attr("heads") // att.attr("kv_heads")
+    assert att.attr("by_head_keys") == 0                                  # off by default
+    with pytest.raises(KiecError, match="attention_by_head.*query heads' tiles"):
+        build_schedule(spec, options=CompileOptions.parse("attention_by_head=256"))
 
 
 def test_attention_waits_for_exactly_the_qkv_tiles_of_its_group(models):
