@@ -82,10 +82,10 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
     wait, wait_count = NONE, 0
     if prev is not None and s.kind != "attention":
         wait = sync[f"lane.done.{prev.index}"][0]
-        combined = prev.kind == "attention" and not prev.attr("combine_in_attn_out")    # once per KV group
-        # by query head, a KV group's output is done once each of its heads' tiles has signalled
-        per_group = prev.attr("heads") // prev.attr("kv_heads") if prev.kind == "attention" and prev.attr("by_head_keys") else 1
-        wait_count = prev.attr("kv_heads") * per_group if combined else prev.tiles
+        combined = prev.kind == "attention" and not prev.attr("combine_in_attn_out")
+        # a combined output signals once per KV group, or, where short contexts go by head, once per
+        # query head (every path signals its group's heads)
+        wait_count = (prev.attr("heads") if prev.attr("by_head_keys") else prev.attr("kv_heads")) if combined else prev.tiles
     norm = {"qkv": "attn_norm", "gate_up": "ffn_norm"}.get(s.kind)
     groups = tickets = 0
     if s.kind == "qkv":

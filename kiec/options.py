@@ -24,7 +24,7 @@ class CompileOptions:
     kv_in_flight: int | None = None     # K and V rows an attention lane has in flight: 1, 2 or 4, 2 and 4 with the next batch's prefetched (None: by query group)
     split_batches: int | None = None    # at least this many key batches an attention split takes (None: 4 where a batch is one pass over the keys, else 1)
     heads_per_pass: int | None = None   # at most this many query heads an attention pass over the keys scores, 1-8 (None: 4)
-    attention_by_head: int | None = None  # N: a context of up to N keys is scored a query head a tile, whole, no combine (None: 512 where it can; 0: never)
+    attention_by_head: int | None = None  # N: a context of up to N keys is scored a query head a tile, whole, no combine (None: 512 where it can, without lanes; 0: never)
     combine_in_attn_out: int | None = None  # 1: attn_out's prologue combines attention's splits (no last-split combine; None/0: the last split does)
     # timing only, the outputs are wrong: 1 leaves the weight copies out (the consumers' own pace),
     # 2 leaves the consumers' arithmetic out (the stream and the handshakes alone)
