@@ -106,7 +106,29 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
         delay=s.attr("delay", 0), q_rows=s.attr("q_rows", 0), kv_rows=s.attr("kv_rows", 0), window=s.attr("window", 0),
         done=sync[f"lane.done.{s.index}"][0] if f"lane.done.{s.index}" in sync else "NONE",
         wait=wait if wait != NONE else "NONE", wait_count=wait_count, groups=groups, tickets=tickets,
-        signals=0, trace=trace[s.index][0])
+        signals=0, trace=trace[s.index][0], primed=primed_by(sched, s))
+
+
+def primed_by(sched: Schedule, s) -> int | str:
+    """The stage whose tile, in a block that had one, lets stage s read its marked input without
+    waiting for the counter (NONE: it waits). One mark bit tells a write from the one before it, so a
+    read must not find the write before that: it cannot once the block has read (or follows, through
+    what it read, a tile that read) the write in between at every value s reads. qkv(L) reads all of
+    h as down(L - 1) left it, which is what attn_out(L) (attention's output and its residual rows),
+    gate_up(L) and down(L) (the activation, its residual rows) each need seen; qkv(L) itself needs
+    attn_out(L - 1)'s h seen, which gate_up(L - 1) read whole; at level 2, attention(L) needs q and the
+    new K and V rows of layer L - 1 seen, which qkv(L) follows through h. One lane only (`marks_only`);
+    attn_out reads marks only where attention's own output is marked (not where it combines the splits)."""
+    if not sched.grid.marks_only or s.layer is None:
+        return "NONE"
+    index = {(t.kind, t.layer): t.index for t in sched.stages}
+    if s.kind == "qkv":
+        return index[("gate_up", s.layer - 1)] if s.layer > 0 else "NONE"     # layer 0 reads the embedding
+    if s.kind == "attn_out" and sched.stages[s.index - 1].attr("combine_in_attn_out"):
+        return "NONE"
+    if s.kind in ("attn_out", "gate_up", "down") or (s.kind == "attention" and sched.grid.marks_only >= 2):
+        return index[("qkv", s.layer)]
+    return "NONE"
 
 
 def render(sched: Schedule, target: Target, module_name: str) -> dict:
@@ -134,14 +156,16 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              vocab=cfg["vocab"], max_seq=cfg["max_seq_len"], layers=cfg["layers"], batch=att.attr("batch"),
              splits=att.attr("splits"), min_split=att.attr("min_split"), attention_rows=att.attr("rows"), attention_prefetch=att.attr("prefetch"),
              attention_pass_heads=att.attr("pass_heads"), combine_in_attn_out=att.attr("combine_in_attn_out"),
-             attention_by_head_keys=att.attr("by_head_keys", 0), x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
+             attention_by_head_keys=att.attr("by_head_keys", 0),
+             attention_marked=sched.grid.marks_only >= 1 and not att.attr("combine_in_attn_out"),
+             qkv_marked=sched.grid.marks_only >= 2, x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
              gemv_tiles=all(s.gemv.tiled for s in sched.gemv_stages()), tile_rows=TILE_ROWS, tile_cols=TILE_COLS)
     m = dict(w_embed=w["embed"][0], w_final_norm=w["final_norm"][0], w_rope=w["rope"][0],
              w_lanes_base=w["__lanes_base"][0], w_lane_stride=w["__lane_stride"][0], w_total=w["__total"][0],
              w_device_total=w["__device_total"][0],
              a_h_mirror=a["h_mirror"][0] if "h_mirror" in a else 0,
              s_h_mirror=sy["h_mirror"][0] if "h_mirror" in sy else 0,
-             a_q=a["lane.q"][0], a_attn=a["lane.attn_out"][0],
+             s_q=sy["lane.q"][0], s_kv_new=sy["lane.kv_new"][0], s_attn=sy["lane.attn"][0],
              a_part=a["lane.attn_partial"][0], a_lane_stride=a["__lane_stride"][0], a_logits=a["logits"][0],
              a_lm_best=a["lm_best"][0], a_total=a["__total"][0],
              a_inbox=a["lane.inbox"][0] if "lane.inbox" in a else 0, exchange_slots=cfg["exchange_slots"], exchange_tiles=cfg["exchange_tiles"],

@@ -21,11 +21,12 @@ class CompileOptions:
     copies_in_flight: int | None = None  # a block's weight copies in flight in the layers at most (None: the target's; 0: no cap)
     producer_registers: int | None = None  # registers a producer thread keeps, the consumers taking the rest (None: the target's)
     ring_evict_first: int | None = None  # 1: the ring's copies carry L2's evict-first hint, 0: the normal policy (None: the target's)
-    kv_in_flight: int | None = None     # K and V rows an attention lane has in flight: 1, 2 or 4, 2 and 4 with the next batch's prefetched (None: by query group)
+    kv_in_flight: int | None = None     # K and V rows an attention lane has in flight: 1, 2, 4 or 8, 2 and up with the next batch's prefetched (None: by query group)
     split_batches: int | None = None    # at least this many key batches an attention split takes (None: 4 where a batch is one pass over the keys, else 1)
     heads_per_pass: int | None = None   # at most this many query heads an attention pass over the keys scores, 1-8 (None: 4)
     attention_by_head: int | None = None  # N: a context of up to N keys is scored a query head a tile, whole, no combine (None: 512 where it can, without lanes; 0: never)
     combine_in_attn_out: int | None = None  # 1: attn_out's prologue combines attention's splits (no last-split combine; None/0: the last split does)
+    marks_only: int | None = None       # 1: a stage reads its marked input (h, the FFN activation, attention's output) without its counter where this block's earlier tile read the write before; 2: attention's inputs too, and qkv has no fence (None: 2 on one lane, 0 with lanes; 0: counter, then marks)
     # timing only, the outputs are wrong: 1 leaves the weight copies out (the consumers' own pace),
     # 2 leaves the consumers' arithmetic out (the stream and the handshakes alone)
     timing_only: int | None = None
@@ -55,8 +56,8 @@ class CompileOptions:
             raise KiecError("producer_registers", self.producer_registers, "a multiple of 8 from 24 to 128")
         if self.ring_evict_first not in (None, 0, 1):
             raise KiecError("ring_evict_first", self.ring_evict_first, "0 (the normal L2 policy) or 1 (evict first)")
-        if self.kv_in_flight not in (None, 1, 2, 4):
-            raise KiecError("kv_in_flight", self.kv_in_flight, "1, 2 or 4 K and V rows a lane has in flight")
+        if self.kv_in_flight not in (None, 1, 2, 4, 8):
+            raise KiecError("kv_in_flight", self.kv_in_flight, "1, 2, 4 or 8 K and V rows a lane has in flight")
         if self.split_batches is not None and not 1 <= self.split_batches <= 64:
             raise KiecError("split_batches", self.split_batches, "1 to 64 key batches an attention split takes at least")
         if self.heads_per_pass is not None and not 1 <= self.heads_per_pass <= 8:
@@ -65,6 +66,9 @@ class CompileOptions:
             raise KiecError("attention_by_head", self.attention_by_head, "0 to 65536 keys a query head's tile scores at most")
         if self.combine_in_attn_out not in (None, 0, 1):
             raise KiecError("combine_in_attn_out", self.combine_in_attn_out, "0 (the last split combines) or 1 (attn_out does)")
+        if self.marks_only not in (None, 0, 1, 2):
+            raise KiecError("marks_only", self.marks_only, "0 (wait for the counter, then the marks), 1 (the marks alone "
+                            "where safe) or 2 (attention's inputs marked too)")
         if self.timing_only not in (None, 0, 1, 2):
             raise KiecError("timing_only", self.timing_only, "0, 1 (no weight copies) or 2 (no arithmetic)")
 

@@ -75,7 +75,8 @@ OPTION_TEXTS = ["gemv_tiles=0", "gemv_tiles=0,reduce_batch=1", "gemv_tiles=0,red
                 "timing_only=1", "timing_only=2", "gemv_tiles=0,timing_only=2", "slot_groups=2",
                 "tile_accumulators=1", "tile_accumulators=2", "kv_in_flight=4", "heads_per_pass=2",
                 "combine_in_attn_out=1", "combine_in_attn_out=1,gemv_tiles=0", "copies_in_flight=3",
-                "ring_evict_first=0", "producer_registers=56"]
+                "ring_evict_first=0", "producer_registers=56", "marks_only=0", "marks_only=1",
+                "marks_only=2,combine_in_attn_out=1", "kv_in_flight=8"]
 
 
 def _option_fits(text: str, target) -> bool:
@@ -177,3 +178,14 @@ def test_gpus_must_be_one_or_the_lane_count(tmp_path):
     from kiec.errors import KiecError
     with pytest.raises(KiecError, match="gpus: got 3; expected 1 or the lane count"):
         _spec(tmp_path, "tiny-llama").replace(lanes=2, gpus=3)
+
+
+@pytest.mark.parametrize("text,changes,attention_marked,qkv_marked", [
+    ("", {}, True, True), ("marks_only=1", {}, True, False), ("marks_only=0", {}, False, False),
+    ("combine_in_attn_out=1", {}, False, True), ("", {"lanes": 2}, False, False)])
+def test_marked_attention_constants_follow_the_level(tmp_path, text, changes, attention_marked, qkv_marked):
+    spec = _spec(tmp_path, "tiny-llama").replace(**changes)
+    _, sched, files, _ = render_sources(spec, options=CompileOptions.parse(text))
+    kernel = files["kernel.hip"]
+    assert f"constexpr bool ATTENTION_MARKED = {str(attention_marked).lower()};" in kernel
+    assert f"constexpr bool QKV_MARKED = {str(qkv_marked).lower()};" in kernel

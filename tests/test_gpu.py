@@ -141,27 +141,32 @@ def test_tails_and_head_dims_match_the_twin(built, name):
     assert errs.max() <= 1e-2 and agree >= 0.95, (errs.max(), agree)
 
 
-def test_every_attention_path_matches_the_twin_across_a_context(tmp_path):
-    """A Llama-1B-shaped model (4 layers) built so that 100 steps from position 0 take every attention
-    path in turn: a query head a tile (up to 32 keys), one split alone (up to 64), then splits and the
-    last one's combine. The defaults stay under 512 keys in every other test here."""
+@pytest.mark.parametrize("extra,batch", (("", 64), (",kv_in_flight=8", 128), (",marks_only=1", 64), (",marks_only=2", 64)))
+def test_every_attention_path_matches_the_twin_across_a_context(tmp_path, extra, batch):
+    """A Llama-1B-shaped model (4 layers) built so that the steps from position 0 take every attention
+    path in turn: a query head a tile (up to 32 keys), one split alone (up to a batch), then splits and
+    the last one's combine; with the default rows in flight, with 8 (a batch of 128 keys), and with
+    marked inputs read without their counters. The defaults stay under 512 keys in every other test here."""
     from kiec.options import CompileOptions
     from kiec.runtime.gpu import CompiledModel, GpuBackend, device_multiprocessors
     folder = write_random_model(tmp_path / "llama", LANE_LLAMA, seed=23, dtype="bf16")
-    spec = load_spec({"weights": str(folder), "max_seq_len": 256})
-    options = CompileOptions.parse("attention_by_head=32,split_batches=1")
+    spec = load_spec({"weights": str(folder), "max_seq_len": 512})
+    options = CompileOptions.parse("attention_by_head=32,split_batches=1" + extra)
     compiled = CompiledModel(spec, device_multiprocessors(), tmp_path / "build", True, options=options)
     att = next(s for s in compiled.sched.stages if s.kind == "attention")
-    assert att.attr("by_head_keys") == 32 and att.attr("batch") == 64 and att.attr("min_split") == 64
+    assert att.attr("by_head_keys") == 32 and att.attr("batch") == batch and att.attr("min_split") == batch
     backend = GpuBackend(spec, compiled=compiled, quiet=True)
-    tokens = [int(t) for t in np.random.default_rng().integers(spec.config.vocab, size=100)]
+    steps = batch + 36
+    tokens = [int(t) for t in np.random.default_rng().integers(spec.config.vocab, size=steps)]
     backend.poison()
     got = backend.teacher_forced(tokens, 0)
     want = twin_logits(spec, compiled, tokens)
     assert np.all(np.isfinite(got))
-    for lo, hi in ((0, 32), (32, 64), (64, 100)):           # by head, alone, split and combined
+    for lo, hi in ((0, 32), (32, batch), (batch, steps)):   # by head, alone, split and combined
         errs, agree = logit_errors(got[lo:hi], want[lo:hi])
         assert errs.max() <= 1e-2 and agree >= 0.95, (lo, hi, errs.max(), agree)
+    backend.poison()
+    assert np.array_equal(backend.teacher_forced(tokens, 0), got)      # bitwise, run to run
 
 
 @pytest.mark.parametrize("lanes", LANE_COUNTS[1:])

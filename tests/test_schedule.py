@@ -88,7 +88,8 @@ def test_kv_in_flight_sets_the_attention_batch(models):
     spec = spec_of(models["tiny-qwen2"])
     lanes_per_key = 1 << (spec.config.head_dim // 8 - 1).bit_length()     # a lane loads 8 of a key's values
     warps, keys_per_pass = 8, 32 // lanes_per_key
-    for text, rows, prefetch in (("kv_in_flight=1", 1, False), ("kv_in_flight=2", 1, True), ("kv_in_flight=4", 2, True)):
+    for text, rows, prefetch in (("kv_in_flight=1", 1, False), ("kv_in_flight=2", 1, True), ("kv_in_flight=4", 2, True),
+                                  ("kv_in_flight=8", 4, True)):
         _, sched = build_schedule(spec, options=CompileOptions.parse(text))
         att = next(s for s in sched.stages if s.kind == "attention")
         assert (att.attr("rows"), att.attr("prefetch"), att.attr("batch")) == (rows, prefetch, warps * keys_per_pass * rows)
@@ -145,6 +146,46 @@ def test_copies_in_flight_come_from_the_target_unless_asked(models):
         assert sched.grid.copies_in_flight == (sched.grid.slots if want is None else want), text
     with pytest.raises(KiecError, match="copies_in_flight"):
         CompileOptions.parse("copies_in_flight=-1")
+
+
+def test_marks_alone_are_read_on_one_lane_by_default(models):
+    spec = spec_of(models["tiny-llama"])
+    _, sched = build_schedule(spec)
+    assert sched.grid.marks_only == 2
+    for level in (0, 1, 2):
+        _, sched = build_schedule(spec, options=CompileOptions.parse(f"marks_only={level}"))
+        assert sched.grid.marks_only == level
+    _, sched = build_schedule(spec.replace(lanes=2))
+    assert sched.grid.marks_only == 0             # a lane's residual waits for its peers' flags
+    with pytest.raises(KiecError, match="marks_only.*lanes"):
+        build_schedule(spec.replace(lanes=2), options=CompileOptions.parse("marks_only=1"))
+    with pytest.raises(KiecError, match="marks_only"):
+        CompileOptions.parse("marks_only=3")
+
+
+def test_a_stage_is_primed_by_the_tile_that_read_the_write_before_its_input(models):
+    """codegen.primed_by: qkv(L) by gate_up(L - 1) (which read attn_out(L - 1)'s h whole), attention,
+    attn_out, gate_up and down of layer L by qkv(L) (which read down(L - 1)'s h whole); level 1 leaves
+    attention to its counter, combine_in_attn_out attn_out too, level 0 every stage."""
+    from kiec.codegen import primed_by
+    spec = spec_of(models["tiny-llama"])
+    by_kind = {}
+    for text in ("", "marks_only=1", "marks_only=0", "combine_in_attn_out=1"):
+        _, sched = build_schedule(spec, options=CompileOptions.parse(text))
+        index = {(s.kind, s.layer): s.index for s in sched.stages}
+        by_kind[text] = {(s.kind, s.layer): primed_by(sched, s) for s in sched.stages}
+    layers = spec.config.layers
+    for layer in range(layers):
+        qkv = index[("qkv", layer)]
+        want = {"qkv": index[("gate_up", layer - 1)] if layer else "NONE",
+                "attention": qkv, "attn_out": qkv, "gate_up": qkv, "down": qkv}
+        for kind, stage in want.items():
+            assert by_kind[""][(kind, layer)] == stage, (kind, layer)
+            assert by_kind["marks_only=0"][(kind, layer)] == "NONE"
+        assert by_kind["marks_only=1"][("attention", layer)] == "NONE"
+        assert by_kind["marks_only=1"][("attn_out", layer)] == qkv
+        assert by_kind["combine_in_attn_out=1"][("attn_out", layer)] == "NONE"
+    assert by_kind[""][("lm_head", None)] == "NONE"
 
 
 def test_ring_evict_first_comes_from_the_target_unless_asked(models):

@@ -116,6 +116,7 @@ class Grid:
     producer_registers: int = 0     # registers a producer thread keeps once the roles split (0: no rebalancing)
     consumer_registers: int = 0     # registers a consumer thread takes then (0: no rebalancing)
     ring_evict_first: bool = False  # the ring's copies carry L2's evict-first hint
+    marks_only: int = 0             # marked inputs read without their counter where a block's earlier tile allows: 1, or 2 with attention's
 
     @property
     def blocks_per_lane(self) -> int:

@@ -15,7 +15,9 @@ Guarantees four regions, each a dict name -> (offset, bytes), 256-byte aligned:
 - `kv`: the KV cache per lane, [layer][kv head][position][head_dim], 16-bit.
 - `sync`: counters and flags, each on its own 128-byte line; shared ones first. Each lane's part
   also holds `h_marked` and `act_marked`: the residual and the FFN activation, fp32 values whose
-  lowest bit marks the write that stored them, which readers check instead of a fenced counter.
+  lowest bit marks the write that stored them, which readers check instead of a fenced counter;
+  and attention's output (`attn`), its queries (`q`) and this step's K and V rows (`kv_new`, each
+  16-bit value above its mark), marked too where the grid reads marks alone (`marks_only`).
 With several lanes, each lane also has an `inbox` (acts) of `exchange_slots` x 2 sublayers x
 lanes x D floats where its peers store their partials, and one line of per-sender flags per
 (slot, sublayer, tile) (`peer_flags`, sync). Exchange g (step x layers + layer) uses slot
@@ -115,8 +117,6 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     att = next(s for s in stages if s.kind == "attention")
     group = att.attr("heads") // att.attr("kv_heads")
     lane_acts = _Region()
-    lane_acts.add("q", 4 * att.attr("heads") * hd)
-    lane_acts.add("attn_out", 4 * att.attr("heads") * hd)
     # a split's partial of a query head: o, m and l, padded to 16-byte rows (stage_attention.j2's PART_ROW)
     lane_acts.add("attn_partial", 4 * att.attr("kv_heads") * att.attr("splits") * group * (hd + 4))
     residual = [s for s in stages if s.kind in ("attn_out", "down")]
@@ -154,6 +154,9 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     # the mark, so these live where the counters do and are cleared with them (a cleared value never passes)
     lane_sync.add("h_marked", 4 * cfg.hidden)
     lane_sync.add("act_marked", 4 * max(s.attr("ffn") for s in stages if s.kind == "gate_up"))
+    lane_sync.add("attn", 4 * att.attr("heads") * hd)
+    lane_sync.add("q", 4 * att.attr("heads") * hd)
+    lane_sync.add("kv_new", 4 * 2 * att.attr("kv_heads") * hd)      # this step's K and V rows, 16 bits above the mark
     for s in stages:
         if s.kind not in ("qkv", "lm_head"):     # qkv signals per KV group; the LM head selects
             lane_sync.add(f"done.{s.index}", LINE)

@@ -31,6 +31,9 @@ Guarantees:
   `copies_in_flight` weight copies in flight in the layers (the target's, 3 on the H200: a deeper
   queue at the memory system delays every activation and counter read behind it), and they carry
   L2's evict-first hint where the target has one (`ring_evict_first`);
+- with `marks_only` (one lane: 2 by default, off with lanes), a stage reading marked values may skip
+  its counter (codegen's `primed_by` names the earlier stage whose tile makes that safe in a block);
+  at 2, attention's inputs are marked too and every block takes the LM head's ticket;
 - where the target moves registers between warpgroups (setmaxnreg), the producer's keeps
   `producer_registers` a thread, at most what the launch gives, and the consumers take the rest
   of the launch's allocation, never fewer than the launch gave them (`consumer_registers`);
@@ -173,6 +176,9 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     for s in stages:
         if s.gemv is not None and s.gemv.unit_bytes > slot_bytes:
             raise KiecError("ir", s.name, f"units of at most {slot_bytes} bytes")
+    # a lane's residual sums its peers' partials through the inbox, whose flags are the lanes' only order
+    if options.marks_only and lanes > 1:
+        raise KiecError("marks_only", options.marks_only, f"0 with {lanes} lanes (marks alone are read on one lane)")
     group_warps = warps // slot_groups          # the warps reading one slot take its tiles in turn
     if tiled and (slot_bytes // TILE_BYTES) % group_warps:
         raise KiecError("slot_bytes", slot_bytes, f"a multiple of {TILE_BYTES * group_warps} bytes: whole tiles "
@@ -186,7 +192,8 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                                      else options.copies_in_flight, slots),
                 producer_registers=producer_registers, consumer_registers=consumer_registers,
                 ring_evict_first=target.ring_evict_first if options.ring_evict_first is None
-                else bool(options.ring_evict_first))
+                else bool(options.ring_evict_first),
+                marks_only=(2 if lanes == 1 else 0) if options.marks_only is None else options.marks_only)
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
 
