@@ -78,7 +78,7 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
     prev = sched.stages[s.index - 1] if s.index else None
     # every stage waits for all of the one before it, except attention (its KV group's qkv tiles)
     # and layer 0's qkv (the token); an attention stage signals once per KV group, or once per split
-    # tile where attn_out combines the splits
+    # tile where attn_out combines the splits. A primed block (primed_by) reads marks instead of waiting.
     wait, wait_count = NONE, 0
     if prev is not None and s.kind != "attention":
         wait = sync[f"lane.done.{prev.index}"][0]
@@ -117,8 +117,11 @@ def primed_by(sched: Schedule, s) -> int | str:
     h as down(L - 1) left it, which is what attn_out(L) (attention's output and its residual rows),
     gate_up(L) and down(L) (the activation, its residual rows) each need seen; qkv(L) itself needs
     attn_out(L - 1)'s h seen, which gate_up(L - 1) read whole; at level 2, attention(L) needs q and the
-    new K and V rows of layer L - 1 seen, which qkv(L) follows through h. One lane only (`marks_only`);
-    attn_out reads marks only where attention's own output is marked (not where it combines the splits)."""
+    new K and V rows of layer L - 1 seen, which qkv(L) follows through h. Layer 0's qkv reads the
+    embedding, so there it proves nothing: layer 0 is safe because every block begins a step by
+    acquiring the last step's token, published after every block took the LM head's ticket, whose
+    tiles each read the last layer's h whole (LM_TICKETS). One lane only (`marks_only`); attn_out
+    reads marks only where attention's own output is marked (not where it combines the splits)."""
     if not sched.grid.marks_only or s.layer is None:
         return "NONE"
     index = {(t.kind, t.layer): t.index for t in sched.stages}

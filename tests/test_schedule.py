@@ -150,8 +150,10 @@ def test_copies_in_flight_come_from_the_target_unless_asked(models):
 
 def test_marks_alone_are_read_on_one_lane_by_default(models):
     spec = spec_of(models["tiny-llama"])
-    _, sched = build_schedule(spec)
-    assert sched.grid.marks_only == 2
+    for target in TARGETS:                        # 2 on the H200; 0 where it has not run (gfx942)
+        _, sched = build_schedule(spec.replace(target=target))
+        assert sched.grid.marks_only == TARGETS[target].marks_only
+    assert TARGETS["cuda:sm_90"].marks_only == 2 and TARGETS["hip:gfx942"].marks_only == 0
     for level in (0, 1, 2):
         _, sched = build_schedule(spec, options=CompileOptions.parse(f"marks_only={level}"))
         assert sched.grid.marks_only == level

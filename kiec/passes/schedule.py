@@ -31,7 +31,7 @@ Guarantees:
   `copies_in_flight` weight copies in flight in the layers (the target's, 3 on the H200: a deeper
   queue at the memory system delays every activation and counter read behind it), and they carry
   L2's evict-first hint where the target has one (`ring_evict_first`);
-- with `marks_only` (one lane: 2 by default, off with lanes), a stage reading marked values may skip
+- with `marks_only` (one lane: the target's, 2 on the H200; off with lanes), a stage reading marked values may skip
   its counter (codegen's `primed_by` names the earlier stage whose tile makes that safe in a block);
   at 2, attention's inputs are marked too and every block takes the LM head's ticket;
 - where the target moves registers between warpgroups (setmaxnreg), the producer's keeps
@@ -39,7 +39,8 @@ Guarantees:
   of the launch's allocation, never fewer than the launch gave them (`consumer_registers`);
 Dependencies are implied by stage order: a GEMV tile waits for every tile of the
 stage before it (attn_out for each KV group's combined output, or every split tile when it
-combines them itself); an attention tile only for the qkv tiles that cover its KV group.
+combines them itself); an attention tile only for the qkv tiles that cover its KV group. With
+`marks_only`, a primed block reads the marked values instead of waiting (codegen's `primed_by`).
 """
 from __future__ import annotations
 
@@ -193,7 +194,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 producer_registers=producer_registers, consumer_registers=consumer_registers,
                 ring_evict_first=target.ring_evict_first if options.ring_evict_first is None
                 else bool(options.ring_evict_first),
-                marks_only=(2 if lanes == 1 else 0) if options.marks_only is None else options.marks_only)
+                marks_only=(target.marks_only if lanes == 1 else 0) if options.marks_only is None else options.marks_only)
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
 

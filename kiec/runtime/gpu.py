@@ -139,9 +139,13 @@ class GpuBackend:
                 stop_ids=(), history: bool = False, trace: bool = False, profile: bool = False) -> None:
         if start + n_steps > self.max_seq_len:
             raise KiecError("context", start + n_steps, f"at most max_seq_len ({self.max_seq_len}) tokens")
-        self.kernel.launch(np.asarray(forced, dtype=np.uint32), n_steps, start, self.step_base, float(temperature),
-                           int(seed) & 0xFFFFFFFF, [int(t) for t in stop_ids][:8], history, trace, profile,
-                           self.timeout_s)
+        try:
+            self.kernel.launch(np.asarray(forced, dtype=np.uint32), n_steps, start, self.step_base, float(temperature),
+                               int(seed) & 0xFFFFFFFF, [int(t) for t in stop_ids][:8], history, trace, profile,
+                               self.timeout_s)
+        except Exception:
+            self.step_base = 0          # a launch that failed cleared the counters (kiec_reset): epochs restart
+            raise
 
     def _run_prefill(self, tokens, start: int, profile: bool):
         tokens = list(tokens)
