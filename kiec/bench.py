@@ -15,7 +15,8 @@ lane its own blocks, weights, KV cache and inbox): exact tensor parallelism, and
 (the multi-GPU build) all on GPU 0; `spread`, lane i on GPU i. With the peers, the NCCL baseline
 too (kiec.baselines.torch_tp: the torch step sharded over L processes, all-reduce between kernels,
 one CUDA graph), where L GPUs are present. The floor of a context is its bytes per token
-(kiec.inspect) over the best read of this same run. MODEL is anything `kiec run` takes, or a
+(kiec.inspect) over the best read of this same run. --json is rewritten after every measurement
+(marked partial until the run ends), so a run stopped halfway, by a timeout or ^C, keeps what it timed. MODEL is anything `kiec run` takes, or a
 synthetic preset (kiec.synthetic.PRESETS): random weights at real shapes, made in memory.
 Everything GPU-side is imported when it runs, so `--help` and the argument checks work anywhere.
 """
@@ -138,37 +139,43 @@ class BenchModel:
 
 # --- measurements (GPU) ---------------------------------------------------------------------------
 
-def time_torch_peers(spec, checkpoint, options: BenchOptions, rng, log) -> dict:
-    """context -> {"torch graph": ..., "torch.compile graph": ...}; the cache fits each context."""
+def time_torch_peers(spec, checkpoint, options: BenchOptions, rng, log, found) -> None:
+    """found(context, "torch graph" or "torch.compile graph", measurement) as each is timed; the cache
+    fits each context."""
     import torch
     from .baselines.torch_decode import GraphedStep, TorchDecoder, compile_step, time_replays
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
     decoder = TorchDecoder(spec, checkpoint, options.contexts[0] + options.steps, device="cuda", dtype=dtype)
     compiled = compile_step(decoder) if options.compile_peer else None
-    out = {}
     for context in options.contexts:
         decoder.resize_cache(context + options.steps)    # attention reads the whole static cache
-        out[context] = {}
         steps = [("torch graph", decoder)] + ([("torch.compile graph", compiled)] if compiled is not None else [])
         for name, step in steps:
             log(f"{name} at context {context}" + (" (compiling, autotuning)" if step is compiled else ""))
             graphed = GraphedStep(step, decoder)
             token = int(rng.integers(spec.config.vocab))
-            out[context][name] = time_replays(graphed, token, context, options.steps)
+            found(context, name, time_replays(graphed, token, context, options.steps))
             del graphed
     del decoder, compiled
     torch.cuda.empty_cache()
-    return out
 
 
-def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None) -> dict:
-    """Every measurement of one run, raw (summarize() adds the floor, shares and speedups)."""
+def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None, save=lambda raw: None) -> dict:
+    """Every measurement of one run, raw (summarize() adds the floor, shares and speedups). `save` gets
+    the measurements so far after each one, so a run stopped halfway keeps what it timed."""
     from .inspect import bytes_per_token
     from .probe import read_bandwidth
     from .runtime.gpu import GpuBackend
     spec = model.spec
     raw = {"model": model.name, "arch": spec.config.arch, "dtype": spec.dtype, "steps": options.steps,
-           "device": _device_name(), "contexts": []}
+           "device": _device_name(), "contexts": [], "prefill": None, "lanes": [], "nccl": []}
+    measured = {}
+
+    def found(context: int, name: str, row: dict) -> None:
+        measured[context][name] = row
+        log(f"{name} at context {context}: {row['ms_per_token']:.4f} ms/token")
+        save(raw)
+
     log("read bandwidth (kiec.probe)")
     raw["bandwidth"] = read_bandwidth()
     log("weights")
@@ -176,10 +183,13 @@ def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None
     log("kiec: build and upload")
     backend = GpuBackend(spec, checkpoint=checkpoint, quiet=True)
     rng = np.random.default_rng(options.seed)
-    measured = {}
     for context in options.contexts:
         log(f"kiec at context {context}")
-        measured[context] = time_kiec(backend, context, options.steps, rng)
+        measured[context] = {}
+        raw["contexts"].append({"context": context, "bytes_per_token": bytes_per_token(spec, context),
+                                "measured": measured[context]})
+        for name, row in time_kiec(backend, context, options.steps, rng).items():
+            found(context, name, row)
     prefill = None
     if options.prompts and backend.use_prefill:
         from .bench_prefill import layer_matrix_params, matrix_rate, time_kiec_prefill
@@ -195,19 +205,16 @@ def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None
         log("torch batched prefill")
         prefill["torch"] = time_torch_prefill(spec, checkpoint, options.prompts, rng)
     raw["prefill"] = prefill
+    save(raw)
     if options.peers:
-        for context, rows in time_torch_peers(spec, checkpoint, options, rng, log).items():
-            measured[context].update(rows)
+        time_torch_peers(spec, checkpoint, options, rng, log, found)
     if options.hf:
         from .baselines.hf_generate import load_hf_model, time_generate
         log("HF generate: load")
         hf = load_hf_model(model.hf_source(), "cuda", spec.dtype)
         for context in options.contexts:
             log(f"HF generate at context {context}")
-            measured[context]["HF generate"] = time_generate(hf, context, options.steps, options.seed)
-    for context in options.contexts:
-        raw["contexts"].append({"context": context, "bytes_per_token": bytes_per_token(spec, context),
-                                "measured": measured[context]})
+            found(context, "HF generate", time_generate(hf, context, options.steps, options.seed))
     from .bench_lanes import time_lanes, time_nccl
     raw["lanes"] = time_lanes(model, checkpoint, options, rng, log)
     raw["nccl"] = time_nccl(model, options, log) if options.lanes and options.peers else []
@@ -261,7 +268,8 @@ def register_bench(sub) -> None:
     p.add_argument("--prompts", default=",".join(map(str, d.prompts)),
                    help="prompt lengths to time to first token, comma-separated (default: %(default)s)")
     p.add_argument("--no-prefill", action="store_true", help="leave out the time to first token")
-    p.add_argument("--json", type=Path, help="write every measurement and derived number here")
+    p.add_argument("--json", type=Path, help="write every measurement and derived number here (rewritten as each "
+                                              "one is timed, marked partial until the run ends)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -277,10 +285,25 @@ def cmd_bench(args) -> int:
         raise KiecError("--json", str(args.json), "a file in an existing folder")
     quiet = getattr(args, "quiet", False)
     log = (lambda m: None) if quiet else (lambda m: print(f"[kiec bench] {m}", file=sys.stderr, flush=True))
+    so_far = {}
+
+    def save(raw: dict) -> None:
+        """The measurements so far, marked partial, in --json: a run stopped halfway (a timeout, ^C)
+        keeps them."""
+        so_far["summary"] = summarize(dict(raw, partial=True))
+        if args.json:
+            args.json.write_text(json.dumps(so_far["summary"], indent=1))
+
     with tempfile.TemporaryDirectory(prefix="kiec-bench-") as workdir:
         model = BenchModel(args.model, options, Path(workdir))    # argument errors come before the GPU check
         require_gpu(options.peers or bool(options.prompts))
-        summary = summarize(run_bench(model, options, log))
+        try:
+            summary = summarize(run_bench(model, options, log, save))
+        except KeyboardInterrupt:
+            if "summary" not in so_far:
+                raise
+            print(format_table(so_far["summary"]))
+            return 130
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
     print(format_table(summary))

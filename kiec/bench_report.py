@@ -57,6 +57,8 @@ def format_table(summary: dict) -> str:
     bw = summary["bandwidth"]
     lines = [f"kiec bench: {summary['model']} ({summary['arch']}, {summary['dtype']}) on "
              f"{summary.get('device') or 'the GPU'}, {summary['steps']} steps per measurement"]
+    if summary.get("partial"):
+        lines.append("partial: the run stopped before its last measurement; these are the ones it finished")
     for ctx in summary["contexts"]:
         b = ctx["bytes_per_token"]
         peers = [r["name"] for r in ctx["rows"] if r["name"] in PEERS]

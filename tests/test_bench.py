@@ -76,6 +76,29 @@ def test_table_without_peers():
     assert not any(l.startswith(p) for p in PEERS for l in table.splitlines())
 
 
+def test_a_run_stopped_halfway_keeps_what_it_measured(tmp_path, monkeypatch, capsys):
+    """The GPU part stands in here: it saves kiec's rows at 128, then is stopped (^C) in a peer's
+    autotuning. --json holds those rows, marked partial, and the table of them is printed."""
+    import kiec.bench as bench
+    out = tmp_path / "bench.json"
+
+    def stopped(model, options, log, save):
+        raw = _raw({k: v for k, v in MEASURED.items() if k.startswith("kiec")})
+        save(raw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "require_gpu", lambda peers: None)
+    monkeypatch.setattr(bench, "run_bench", stopped)
+    assert main(["bench", "llama-3.2-1b", "--contexts", "128", "--no-prefill", "--json", str(out)]) == 130
+    summary = json.loads(out.read_text())
+    assert summary["partial"] is True
+    assert [r["name"] for r in summary["contexts"][0]["rows"]] == ["kiec per-step", "kiec per-sequence"]
+    assert summary["contexts"][0]["rows"][1]["floor_share"] == pytest.approx(0.8)
+    table = capsys.readouterr().out
+    assert "partial: the run stopped before its last measurement" in table
+    assert _line(table, "kiec per-sequence")[:5] == ["kiec", "per-sequence", "0.6250", "1600.0", "80.0%"]
+
+
 def test_lane_rows_share_speedup_and_table():
     raw = _raw()
     raw["lanes"] = [{"lanes": 1, "mode": "exact TP", "placement": "one-launch", "context": 128, "blocks": 132,
@@ -237,6 +260,7 @@ def test_bench_run_on_a_tiny_model(tmp_path, capsys):
                  "--quiet"]) == 0
     table = capsys.readouterr().out
     summary = json.loads(out.read_text())
+    assert "partial" not in summary and "partial" not in table      # the run's end rewrote the progress
     assert summary["bandwidth"]["best_bps"] > 1e12              # any HBM GPU reads over 1 TB/s
     assert [c["context"] for c in summary["contexts"]] == [16, 256]
     for ctx in summary["contexts"]:
