@@ -170,6 +170,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              s_h_mirror=sy["h_mirror"][0] if "h_mirror" in sy else 0,
              s_q=sy["lane.q"][0], s_kv_new=sy["lane.kv_new"][0], s_attn=sy["lane.attn"][0],
              a_part=a["lane.attn_partial"][0], a_lane_stride=a["__lane_stride"][0], a_logits=a["logits"][0],
+             a_kv_late=a["lane.kv_late"][0] if "lane.kv_late" in a else 0,
              a_lm_best=a["lm_best"][0], a_total=a["__total"][0],
              a_inbox=a["lane.inbox"][0] if "lane.inbox" in a else 0, exchange_slots=cfg["exchange_slots"], exchange_tiles=cfg["exchange_tiles"],
              s_peer_flags=sy["lane.peer_flags"][0] if "lane.peer_flags" in sy else 0,

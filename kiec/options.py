@@ -27,6 +27,9 @@ class CompileOptions:
     attention_by_head: int | None = None  # N: a context of up to N keys is scored a query head a tile, whole, no combine (None: 512 where it can, without lanes; 0: never)
     combine_in_attn_out: int | None = None  # 1: attn_out's prologue combines attention's splits (no last-split combine; None/0: the last split does)
     marks_only: int | None = None       # 1: a stage reads its marked input (h, the FFN activation, attention's output) without its counter where this block's earlier tile read the write before; 2: attention's inputs too, and qkv has no fence (None: the target's on one lane, 0 with lanes; 0: counter, then marks)
+    # debug: 1 stores the cache's copy of each step's K and V rows only at the step's end (with marks_only 2),
+    # so that with the cache poisoned a read of this step's row from the cache, not its marked copy, is NaN
+    kv_store_late: int | None = None
     # timing only, the outputs are wrong: 1 leaves the weight copies out (the consumers' own pace),
     # 2 leaves the consumers' arithmetic out (the stream and the handshakes alone)
     timing_only: int | None = None
@@ -69,6 +72,8 @@ class CompileOptions:
         if self.marks_only not in (None, 0, 1, 2):
             raise KiecError("marks_only", self.marks_only, "0 (wait for the counter, then the marks), 1 (the marks alone "
                             "where safe) or 2 (attention's inputs marked too)")
+        if self.kv_store_late not in (None, 0, 1):
+            raise KiecError("kv_store_late", self.kv_store_late, "0 or 1 (a debug build: the cache's new rows stored at the step's end)")
         if self.timing_only not in (None, 0, 1, 2):
             raise KiecError("timing_only", self.timing_only, "0, 1 (no weight copies) or 2 (no arithmetic)")
 

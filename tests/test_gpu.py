@@ -169,6 +169,33 @@ def test_every_attention_path_matches_the_twin_across_a_context(tmp_path, extra,
     assert np.array_equal(backend.teacher_forced(tokens, 0), got)      # bitwise, run to run
 
 
+def test_no_attention_reads_this_steps_row_from_the_cache(tmp_path):
+    """A debug build (kv_store_late=1) stores the cache's copy of each step's K and V rows only at the
+    step's end, into a cache poisoned with NaN. An attention that read this step's row from the cache
+    instead of its marked copy would read NaN every time, not only when a store happened to lag (the
+    race 17d found). Every attention path, against the twin and bitwise against the default build."""
+    from kiec.options import CompileOptions
+    from kiec.runtime.gpu import CompiledModel, GpuBackend, device_multiprocessors
+    folder = write_random_model(tmp_path / "llama", LANE_LLAMA, seed=29, dtype="bf16")
+    spec = load_spec({"weights": str(folder), "max_seq_len": 512})
+    steps = 64 + 36                                # by head up to 32 keys, one split alone, then splits
+    tokens = [int(t) for t in np.random.default_rng().integers(spec.config.vocab, size=steps)]
+    logits = {}
+    for extra in ("", ",kv_store_late=1"):
+        options = CompileOptions.parse("attention_by_head=32,split_batches=1,marks_only=2" + extra)
+        compiled = CompiledModel(spec, device_multiprocessors(), tmp_path / f"build{extra}", True, options=options)
+        backend = GpuBackend(spec, compiled=compiled, quiet=True)
+        backend.poison()
+        backend.kernel.poison_cache()
+        logits[extra] = backend.teacher_forced(tokens, 0)
+        del backend
+    got = logits[",kv_store_late=1"]
+    assert np.all(np.isfinite(got))
+    errs, agree = logit_errors(got, twin_logits(spec, compiled, tokens))
+    assert errs.max() <= 1e-2 and agree >= 0.95, (errs.max(), agree)
+    assert np.array_equal(got, logits[""])        # the same arithmetic, the rows stored later
+
+
 @pytest.mark.parametrize("lanes", LANE_COUNTS[1:])
 def test_exact_tensor_parallel_lanes_match_transformers_and_one_lane(lane_built, lanes):
     spec, _ = lane_built[("llama", lanes)]

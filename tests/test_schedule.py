@@ -165,6 +165,27 @@ def test_marks_alone_are_read_on_one_lane_by_default(models):
         CompileOptions.parse("marks_only=3")
 
 
+def test_a_debug_build_stores_the_new_cache_rows_late_only_where_attention_reads_their_marked_copy(models):
+    """kv_store_late keeps each step's K and V rows in acts (`kv_late`: layers x K, V x KV heads x
+    head_dim, 16-bit) until the step's end. Only marks level 2 reads this step's rows from their
+    marked copy; at 0 and 1, and so with lanes or on gfx942 by default, the option is refused."""
+    spec = spec_of(models["tiny-llama"])
+    _, sched = build_schedule(spec)
+    assert not sched.grid.kv_store_late and "lane.kv_late" not in sched.memory["acts"]
+    _, sched = build_schedule(spec, options=CompileOptions.parse("kv_store_late=1"))
+    att = next(s for s in sched.stages if s.kind == "attention")
+    assert sched.grid.kv_store_late and sched.grid.marks_only == 2
+    assert sched.memory["acts"]["lane.kv_late"][1] == spec.config.layers * 2 * att.attr("kv_heads") * att.attr("head_dim") * 2
+    for text, target in (("kv_store_late=1,marks_only=1", "cuda:sm_90"), ("kv_store_late=1,marks_only=0", "cuda:sm_90"),
+                         ("kv_store_late=1", "hip:gfx942")):
+        with pytest.raises(KiecError, match="kv_store_late.*marks_only is [01]"):
+            build_schedule(spec.replace(target=target), options=CompileOptions.parse(text))
+    with pytest.raises(KiecError, match="kv_store_late.*marks_only is 0"):
+        build_schedule(spec.replace(lanes=2), options=CompileOptions.parse("kv_store_late=1"))
+    with pytest.raises(KiecError, match="kv_store_late"):
+        CompileOptions.parse("kv_store_late=2")
+
+
 def test_a_stage_is_primed_by_the_tile_that_read_the_write_before_its_input(models):
     """codegen.primed_by: qkv(L) by gate_up(L - 1) (which read attn_out(L - 1)'s h whole), attention,
     attn_out, gate_up and down of layer L by qkv(L) (which read down(L - 1)'s h whole); level 1 leaves

@@ -117,6 +117,7 @@ class Grid:
     consumer_registers: int = 0     # registers a consumer thread takes then (0: no rebalancing)
     ring_evict_first: bool = False  # the ring's copies carry L2's evict-first hint
     marks_only: int = 0             # marked inputs read without their counter where a block's earlier tile allows: 1, or 2 with attention's
+    kv_store_late: bool = False     # debug: the cache's copy of a step's new K and V rows is stored at the step's end
 
     @property
     def blocks_per_lane(self) -> int:

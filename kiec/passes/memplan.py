@@ -11,7 +11,8 @@ Guarantees four regions, each a dict name -> (offset, bytes), 256-byte aligned:
   schedule says so; the embedding stays rows (a step reads one), so a tied LM head gets a
   tiled copy of its own.
   `packing` says how each entry is built from the graph's weights (kiec.pack applies it).
-- `acts`: fp32 activations, per lane (`lane_stride` apart) then shared (logits, ...).
+- `acts`: fp32 activations, per lane (`lane_stride` apart) then shared (logits, ...); a debug build
+  (`Grid.kv_store_late`) keeps each step's new K and V rows there (`kv_late`) until the step's end.
 - `kv`: the KV cache per lane, [layer][kv head][position][head_dim], 16-bit.
 - `sync`: counters and flags, each on its own 128-byte line; shared ones first. Each lane's part
   also holds `h_marked` and `act_marked`: the residual and the FFN activation, fp32 values whose
@@ -119,6 +120,8 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     lane_acts = _Region()
     # a split's partial of a query head: o, m and l, padded to 16-byte rows (stage_attention.j2's PART_ROW)
     lane_acts.add("attn_partial", 4 * att.attr("kv_heads") * att.attr("splits") * group * (hd + 4))
+    if sched.grid.kv_store_late:        # a debug build's new K and V rows of every layer, 16-bit, until the step's end
+        lane_acts.add("kv_late", 2 * cfg.layers * 2 * att.attr("kv_heads") * hd)
     residual = [s for s in stages if s.kind in ("attn_out", "down")]
     if lanes > LINE // 4:
         raise KiecError("lanes", lanes, f"at most {LINE // 4} (one {LINE}-byte line holds a tile's peer flags)")

@@ -33,7 +33,8 @@ Guarantees:
   L2's evict-first hint where the target has one (`ring_evict_first`);
 - with `marks_only` (one lane: the target's, 2 on the H200; off with lanes), a stage reading marked values may skip
   its counter (codegen's `primed_by` names the earlier stage whose tile makes that safe in a block);
-  at 2, attention's inputs are marked too and every block takes the LM head's ticket;
+  at 2, attention's inputs are marked too and every block takes the LM head's ticket; a debug build
+  (`kv_store_late`, level 2 only) stores the cache's copy of a step's new K and V rows at the step's end;
 - where the target moves registers between warpgroups (setmaxnreg), the producer's keeps
   `producer_registers` a thread, at most what the launch gives, and the consumers take the rest
   of the launch's allocation, never fewer than the launch gave them (`consumer_registers`);
@@ -180,6 +181,11 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     # a lane's residual sums its peers' partials through the inbox, whose flags are the lanes' only order
     if options.marks_only and lanes > 1:
         raise KiecError("marks_only", options.marks_only, f"0 with {lanes} lanes (marks alone are read on one lane)")
+    marks_only = (target.marks_only if lanes == 1 else 0) if options.marks_only is None else options.marks_only
+    if options.kv_store_late and marks_only < 2:
+        raise KiecError("kv_store_late", options.kv_store_late,
+                        f"0 where marks_only is {marks_only}: only at 2 does attention read this step's K and V rows "
+                        f"from their marked copy, not the cache")
     group_warps = warps // slot_groups          # the warps reading one slot take its tiles in turn
     if tiled and (slot_bytes // TILE_BYTES) % group_warps:
         raise KiecError("slot_bytes", slot_bytes, f"a multiple of {TILE_BYTES * group_warps} bytes: whole tiles "
@@ -194,7 +200,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 producer_registers=producer_registers, consumer_registers=consumer_registers,
                 ring_evict_first=target.ring_evict_first if options.ring_evict_first is None
                 else bool(options.ring_evict_first),
-                marks_only=(target.marks_only if lanes == 1 else 0) if options.marks_only is None else options.marks_only)
+                marks_only=marks_only, kv_store_late=bool(options.kv_store_late))
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
 
