@@ -1,13 +1,14 @@
 """`kiec bench MODEL`: kiec's decode speed against the floor and its peers, in one run on one GPU.
 
-    kiec bench llama-3.2-1b [--contexts 128,8192] [--steps 128] [--no-peers] [--hf] [--json out.json]
+    kiec bench llama-3.2-1b [--contexts 128,8192] [--steps 128] [--no-peers] [--compile-at 128] [--hf] [--json out.json]
     kiec bench llama-3.2-1b --lanes 1,2,4,8 [--dtp-delay 2] [--placement one-launch,shared,spread] --no-compile
     kiec bench llama-3.2-1b --prompts 512,2048,8192     (time to first token; --no-prefill leaves it out)
 
 One run measures, in order: the device's read bandwidth (kiec's own 16-byte grid-stride read,
 kiec.probe); kiec's ms/token at each context, one launch per step and one launch per sequence
 (the kernel's own event time); the torch peers on the same weights (plain ops in one CUDA graph,
-and torch.compile then one CUDA graph; CUDA events between replays); and, with --hf,
+and torch.compile then one CUDA graph, at every context or those --compile-at names: it autotunes
+for minutes at each; CUDA events between replays); and, with --hf,
 transformers' `generate`. With --lanes (kiec/bench_lanes.py), kiec again at each lane count (each
 lane its own blocks, weights, KV cache and inbox): exact tensor parallelism, and past(d) with
 --dtp-delay (a laneformer runs its own modes), with the bytes each lane sends per token, placed as
@@ -41,6 +42,7 @@ class BenchOptions:
     steps: int = 128          # timed steps per measurement (positions context .. context + steps - 1)
     peers: bool = True
     compile_peer: bool = True  # torch.compile autotunes for minutes: --no-compile leaves that peer out
+    compile_at: tuple = ()    # the contexts the torch.compile peer is timed at (its autotuning is per context); () every one
     hf: bool = False
     seed: int = 0             # the random weights of a preset, and the tokens fed
     lanes: tuple = ()         # lane counts to time (exact TP, and past(dtp_delay))
@@ -59,6 +61,8 @@ class BenchOptions:
             raise KiecError("--lanes", self.lanes, "each lane count once")
         if not self.placements or any(p not in PLACEMENTS for p in self.placements):
             raise KiecError("--placement", ",".join(self.placements), "a comma-separated choice of " + ", ".join(PLACEMENTS))
+        if any(c not in self.contexts for c in self.compile_at):
+            raise KiecError("--compile-at", self.compile_at, f"some of the timed contexts {self.contexts}")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.prompts):
             raise KiecError("--prompts", self.prompts, "prompt lengths of at least 2 tokens, e.g. 512,2048,8192")
 
@@ -149,7 +153,8 @@ def time_torch_peers(spec, checkpoint, options: BenchOptions, rng, log, found) -
     compiled = compile_step(decoder) if options.compile_peer else None
     for context in options.contexts:
         decoder.resize_cache(context + options.steps)    # attention reads the whole static cache
-        steps = [("torch graph", decoder)] + ([("torch.compile graph", compiled)] if compiled is not None else [])
+        compiles = compiled is not None and context in (options.compile_at or options.contexts)
+        steps = [("torch graph", decoder)] + ([("torch.compile graph", compiled)] if compiles else [])
         for name, step in steps:
             log(f"{name} at context {context}" + (" (compiling, autotuning)" if step is compiled else ""))
             graphed = GraphedStep(step, decoder)
@@ -256,6 +261,8 @@ def register_bench(sub) -> None:
     p.add_argument("--steps", type=int, default=d.steps, help="timed decode steps per measurement (default: %(default)s)")
     p.add_argument("--no-peers", action="store_true", help="time kiec alone (no torch peers)")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer (it autotunes for minutes)")
+    p.add_argument("--compile-at", default="", help="time the torch.compile peer at these contexts only, comma-separated "
+                                                    "(it autotunes again for each; default: every context)")
     p.add_argument("--hf", action="store_true", help="also time transformers' generate (slow)")
     p.add_argument("--seed", type=int, default=d.seed, help="a preset's random weights and the tokens fed")
     p.add_argument("--lanes", default="", help="also time kiec at these lane counts (comma-separated, e.g. 1,2,4,8), "
@@ -278,6 +285,7 @@ def cmd_bench(args) -> int:
         raise KiecError("--dtp-delay", args.dtp_delay, "--lanes as well (DTP needs several lanes)")
     options = BenchOptions(contexts=parse_counts(args.contexts), steps=args.steps, peers=not args.no_peers,
                            compile_peer=not args.no_compile, hf=args.hf, seed=args.seed,
+                           compile_at=parse_counts(args.compile_at, "--compile-at", "128") if args.compile_at else (),
                            lanes=parse_counts(args.lanes, "--lanes", "1,2,4,8") if args.lanes else (),
                            dtp_delay=args.dtp_delay, placements=tuple(args.placement.split(",")),
                            prompts=() if args.no_prefill else parse_counts(args.prompts, "--prompts", "512,2048,8192"))
