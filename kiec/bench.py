@@ -24,6 +24,7 @@ Everything GPU-side is imported when it runs, so `--help` and the argument check
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -63,6 +64,8 @@ class BenchOptions:
             raise KiecError("--placement", ",".join(self.placements), "a comma-separated choice of " + ", ".join(PLACEMENTS))
         if any(c not in self.contexts for c in self.compile_at):
             raise KiecError("--compile-at", self.compile_at, f"some of the timed contexts {self.contexts}")
+        if self.compile_at and not (self.peers and self.compile_peer):
+            raise KiecError("--compile-at", self.compile_at, "the torch.compile peer timed (not --no-compile or --no-peers)")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.prompts):
             raise KiecError("--prompts", self.prompts, "prompt lengths of at least 2 tokens, e.g. 512,2048,8192")
 
@@ -221,8 +224,12 @@ def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None
             log(f"HF generate at context {context}")
             found(context, "HF generate", time_generate(hf, context, options.steps, options.seed))
     from .bench_lanes import time_lanes, time_nccl
-    raw["lanes"] = time_lanes(model, checkpoint, options, rng, log)
-    raw["nccl"] = time_nccl(model, options, log) if options.lanes and options.peers else []
+    for row in time_lanes(model, checkpoint, options, rng, log):
+        raw["lanes"].append(row)
+        save(raw)
+    for row in time_nccl(model, options, log) if options.lanes and options.peers else ():
+        raw["nccl"].append(row)
+        save(raw)
     return raw
 
 
@@ -300,7 +307,7 @@ def cmd_bench(args) -> int:
         keeps them."""
         so_far["summary"] = summarize(dict(raw, partial=True))
         if args.json:
-            args.json.write_text(json.dumps(so_far["summary"], indent=1))
+            write_json(args.json, so_far["summary"])
 
     with tempfile.TemporaryDirectory(prefix="kiec-bench-") as workdir:
         model = BenchModel(args.model, options, Path(workdir))    # argument errors come before the GPU check
@@ -313,7 +320,14 @@ def cmd_bench(args) -> int:
             print(format_table(so_far["summary"]))
             return 130
     if args.json:
-        args.json.write_text(json.dumps(summary, indent=1))
+        write_json(args.json, summary)
     print(format_table(summary))
     return 0
+
+
+def write_json(path: Path, summary: dict) -> None:
+    """Whole or not at all: a run stopped while writing leaves the last complete file."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(summary, indent=1))
+    os.replace(part, path)
 

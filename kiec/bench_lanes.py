@@ -18,33 +18,31 @@ def exchange_bytes_per_lane(sched) -> int:
     return (len(senders(sched)) + mirrored) * sched.config["hidden"] * 4 * (sched.lanes - 1)
 
 
-def time_lanes(model, checkpoint, options, rng, log) -> list:
-    """One row per (lane count, mode, placement, context): kiec's ms/token; a placement that needs
-    more GPUs than this machine has is a row that says so."""
+def time_lanes(model, checkpoint, options, rng, log):
+    """Yields one row per (lane count, mode, placement, context) as it is timed: kiec's ms/token; a
+    placement that needs more GPUs than this machine has is a row that says so."""
     from .bench_kiec import time_kiec
     from .runtime.gpu import GpuBackend, gpu_count
     gpus = gpu_count()
     devices = [placement_devices(placement, lanes) if placement != "spread" or gpus >= lanes else None
                for lanes, _, placement, _ in model.lane_specs]      # None: this machine cannot place it
     builds = build_all({i: (spec, devices[i]) for i, (*_, spec) in enumerate(model.lane_specs) if devices[i]}, log)
-    rows = []
     for i, (lanes, mode, placement, spec) in enumerate(model.lane_specs):
         head = {"lanes": lanes, "mode": mode, "placement": placement}
         if devices[i] is None:
-            rows += [dict(head, context=c, not_run=f"needs {lanes} GPUs, this machine has {gpus}")
-                     for c in options.contexts]
+            yield from (dict(head, context=c, not_run=f"needs {lanes} GPUs, this machine has {gpus}")
+                        for c in options.contexts)
             continue
         log(f"kiec with {lanes} lane(s), {mode}, {placement}: upload")
         backend = GpuBackend(spec, checkpoint=checkpoint, quiet=True, devices=devices[i], compiled=builds[i])
         for context in options.contexts:
             log(f"kiec with {lanes} lane(s), {mode}, {placement}, at context {context}")
             timed = time_kiec(backend, context, options.steps, rng)
-            rows.append(dict(head, context=context, blocks=backend.sched.grid.blocks,
-                             ms_per_token=timed["kiec per-sequence"]["ms_per_token"],
-                             ms_per_token_per_step=timed["kiec per-step"]["ms_per_token"],
-                             exchange_bytes_per_lane=exchange_bytes_per_lane(backend.sched)))
+            yield dict(head, context=context, blocks=backend.sched.grid.blocks,
+                       ms_per_token=timed["kiec per-sequence"]["ms_per_token"],
+                       ms_per_token_per_step=timed["kiec per-step"]["ms_per_token"],
+                       exchange_bytes_per_lane=exchange_bytes_per_lane(backend.sched))
         del backend
-    return rows
 
 
 def placement_devices(placement: str, lanes: int) -> list:
@@ -65,25 +63,23 @@ def build_all(jobs: dict, log) -> dict:
         return {key: future.result() for key, future in futures.items()}
 
 
-def time_nccl(model, options, log) -> list:
+def time_nccl(model, options, log):
     """The NCCL baseline (kiec.baselines.torch_tp) at each lane count of --lanes that this machine's
-    GPUs allow: one row per (lane count, context); the others are rows that say what they need."""
+    GPUs allow: yields one row per (lane count, context); the others are rows that say what they need."""
     from .baselines.torch_tp import run_ranks, timed_decode
     from .runtime.gpu import gpu_count
     gpus = gpu_count()
-    rows = []
     for lanes in options.lanes:
         if lanes > gpus:
-            rows += [{"lanes": lanes, "context": c, "not_run": f"needs {lanes} GPUs, this machine has {gpus}"}
-                     for c in options.contexts]
+            yield from ({"lanes": lanes, "context": c, "not_run": f"needs {lanes} GPUs, this machine has {gpus}"}
+                        for c in options.contexts)
             continue
         log(f"NCCL baseline over {lanes} GPU(s)")
         try:
             timed = run_ranks(timed_decode, lanes, model, options.contexts, options.steps)
         except (RuntimeError, KiecError) as failure:     # kiec's rows of this run are kept
             log(f"NCCL baseline over {lanes} GPU(s) failed: {failure}")
-            rows += [{"lanes": lanes, "context": c, "not_run": f"failed: {str(failure).splitlines()[0]}"}
-                     for c in options.contexts]
+            yield from ({"lanes": lanes, "context": c, "not_run": f"failed: {str(failure).splitlines()[0]}"}
+                        for c in options.contexts)
             continue
-        rows += [{"lanes": lanes, "context": c, "ms_per_token": timed[c]["ms_per_token"]} for c in options.contexts]
-    return rows
+        yield from ({"lanes": lanes, "context": c, "ms_per_token": timed[c]["ms_per_token"]} for c in options.contexts)

@@ -91,7 +91,7 @@ def test_a_run_stopped_halfway_keeps_what_it_measured(tmp_path, monkeypatch, cap
     monkeypatch.setattr(bench, "run_bench", stopped)
     assert main(["bench", "llama-3.2-1b", "--contexts", "128", "--no-prefill", "--json", str(out)]) == 130
     summary = json.loads(out.read_text())
-    assert summary["partial"] is True
+    assert summary["partial"] is True and not (tmp_path / "bench.json.part").exists()
     assert [r["name"] for r in summary["contexts"][0]["rows"]] == ["kiec per-step", "kiec per-sequence"]
     assert summary["contexts"][0]["rows"][1]["floor_share"] == pytest.approx(0.8)
     table = capsys.readouterr().out
@@ -168,7 +168,7 @@ def test_placements_that_need_more_gpus_are_rows_that_say_so(tmp_path, monkeypat
     monkeypatch.setattr(gpu, "gpu_count", lambda: 1)
     options = BenchOptions(contexts=(16, 32), steps=8, lanes=(2,), placements=("spread",), prompts=())
     model = BenchModel("tiny-llama", options, tmp_path)
-    rows = bench_lanes.time_lanes(model, None, options, None, lambda m: None)
+    rows = list(bench_lanes.time_lanes(model, None, options, None, lambda m: None))
     assert [(r["lanes"], r["placement"], r["context"]) for r in rows] == [(2, "spread", 16), (2, "spread", 32)]
     assert all(r["not_run"] == "needs 2 GPUs, this machine has 1" for r in rows)
     assert [r["not_run"] for r in bench_lanes.time_nccl(model, options, lambda m: None)] == ["needs 2 GPUs, this machine has 1"] * 2
@@ -226,6 +226,8 @@ def test_without_a_gpu_one_error_line():
      "--compile-at: got (64,); expected some of the timed contexts (16, 32)"),
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--compile-at", "x"],
      "--compile-at: got 'x'; expected comma-separated integers, e.g. 128"),
+    (["tiny-llama", "--contexts", "16", "--no-prefill", "--compile-at", "16", "--no-compile"],
+     "--compile-at: got (16,); expected the torch.compile peer timed (not --no-compile or --no-peers)"),
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--json", "/no/such/folder/out.json"],
      "--json: got '/no/such/folder/out.json'; expected a file in an existing folder"),
 ])

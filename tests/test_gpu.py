@@ -169,26 +169,48 @@ def test_every_attention_path_matches_the_twin_across_a_context(tmp_path, extra,
     assert np.array_equal(backend.teacher_forced(tokens, 0), got)      # bitwise, run to run
 
 
-def test_no_attention_reads_this_steps_row_from_the_cache(tmp_path):
+def _newest_row_batches(att, steps: int) -> dict:
+    """Attention path -> whether, at some position < steps, this step's row lies past the first batch of
+    its tile (where 17d's race read it from the cache)."""
+    from kiec.passes.schedule import attention_splits
+    out = {}
+    for pos in range(steps):
+        length, used = attention_splits(0, pos, att.attr("splits"), att.attr("batch"), att.attr("min_split"),
+                                        att.attr("by_head_keys"))
+        path = "by head" if pos < att.attr("by_head_keys") else "alone" if used == 1 else "split"
+        out[path] = out.get(path, False) or pos % length >= att.attr("batch")
+    return out
+
+
+@pytest.mark.parametrize("paths", ("attention_by_head=96,split_batches=2,heads_per_pass=2",
+                                   "combine_in_attn_out=1,split_batches=2"))
+def test_no_attention_reads_this_steps_row_from_the_cache(tmp_path, paths):
     """A debug build (kv_store_late=1) stores the cache's copy of each step's K and V rows only at the
     step's end, into a cache poisoned with NaN. An attention that read this step's row from the cache
     instead of its marked copy would read NaN every time, not only when a store happened to lag (the
-    race 17d found). Every attention path, against the twin and bitwise against the default build."""
+    race 17d found: a batch after the warp's first). Every path holds the row past its first batch at
+    some step: a query head a tile, one split alone, splits combined by the last one (with two passes
+    over the keys) or by attn_out; against the twin, and bitwise against the build without the option."""
     from kiec.options import CompileOptions
     from kiec.runtime.gpu import CompiledModel, GpuBackend, device_multiprocessors
     folder = write_random_model(tmp_path / "llama", LANE_LLAMA, seed=29, dtype="bf16")
     spec = load_spec({"weights": str(folder), "max_seq_len": 512})
-    steps = 64 + 36                                # by head up to 32 keys, one split alone, then splits
+    steps = 300
     tokens = [int(t) for t in np.random.default_rng().integers(spec.config.vocab, size=steps)]
     logits = {}
     for extra in ("", ",kv_store_late=1"):
-        options = CompileOptions.parse("attention_by_head=32,split_batches=1,marks_only=2" + extra)
+        options = CompileOptions.parse(paths + ",marks_only=2" + extra)
         compiled = CompiledModel(spec, device_multiprocessors(), tmp_path / f"build{extra}", True, options=options)
         backend = GpuBackend(spec, compiled=compiled, quiet=True)
         backend.poison()
         backend.kernel.poison_cache()
         logits[extra] = backend.teacher_forced(tokens, 0)
         del backend
+    att = next(s for s in compiled.sched.stages if s.kind == "attention")
+    assert att.attr("batch") == 64 and att.attr("min_split") == 128
+    want_paths = ["alone", "split"] + (["by head"] if att.attr("by_head_keys") else [])
+    assert _newest_row_batches(att, steps) == dict.fromkeys(want_paths, True)
+    assert att.attr("pass_heads") < att.attr("heads") // att.attr("kv_heads") or att.attr("combine_in_attn_out")
     got = logits[",kv_store_late=1"]
     assert np.all(np.isfinite(got))
     errs, agree = logit_errors(got, twin_logits(spec, compiled, tokens))

@@ -184,8 +184,8 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     marks_only = (target.marks_only if lanes == 1 else 0) if options.marks_only is None else options.marks_only
     if options.kv_store_late and marks_only < 2:
         raise KiecError("kv_store_late", options.kv_store_late,
-                        f"0 where marks_only is {marks_only}: only at 2 does attention read this step's K and V rows "
-                        f"from their marked copy, not the cache")
+                        f"0 where marks_only is {marks_only}{' (with lanes it is 0)' if lanes > 1 else ''}: only at "
+                        f"2 does attention read this step's K and V rows from their marked copy, not the cache")
     group_warps = warps // slot_groups          # the warps reading one slot take its tiles in turn
     if tiled and (slot_bytes // TILE_BYTES) % group_warps:
         raise KiecError("slot_bytes", slot_bytes, f"a multiple of {TILE_BYTES * group_warps} bytes: whole tiles "
