@@ -17,8 +17,9 @@ lane its own blocks, weights, KV cache and inbox): exact tensor parallelism, and
 too (kiec.baselines.torch_tp: the torch step sharded over L processes, all-reduce between kernels,
 one CUDA graph), where L GPUs are present. The floor of a context is its bytes per token
 (kiec.inspect) over the best read of this same run. --json is rewritten after every measurement
-(marked partial until the run ends), so a run stopped halfway, by a timeout or ^C, keeps what it timed. MODEL is anything `kiec run` takes, or a
-synthetic preset (kiec.synthetic.PRESETS): random weights at real shapes, made in memory.
+(marked partial until the run ends), so a run stopped halfway, by a timeout or ^C, keeps what it
+timed. MODEL is anything `kiec run` takes, or a synthetic preset (kiec.synthetic.PRESETS): random
+weights at real shapes, made in memory.
 Everything GPU-side is imported when it runs, so `--help` and the argument checks work anywhere.
 """
 from __future__ import annotations
