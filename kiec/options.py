@@ -31,7 +31,8 @@ class CompileOptions:
     # so that with the cache poisoned a read of this step's row from the cache, not its marked copy, is NaN
     kv_store_late: int | None = None
     # timing only, the outputs are wrong: 1 leaves the weight copies out (the consumers' own pace),
-    # 2 leaves the consumers' arithmetic out (the stream and the handshakes alone)
+    # 2 leaves the consumers' arithmetic out (the stream and the handshakes alone), 3 leaves attention's
+    # scoring out (its keys and values still load)
     timing_only: int | None = None
 
     def __post_init__(self):

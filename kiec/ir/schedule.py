@@ -109,7 +109,7 @@ class Grid:
     devices: int = 1                # 1: every lane on one GPU; else one lane per GPU
     reduce_batch: int = 8           # a warp's dot products reduced together
     warp_release: bool = False      # one arrive per consumer warp frees a slot (else one per thread)
-    timing_only: int = 0            # 1: no weight copies, 2: no consumer arithmetic (outputs wrong)
+    timing_only: int = 0            # 1: no weight copies, 2: no consumer arithmetic, 3: no attention scoring (outputs wrong)
     slot_groups: int = 1            # consumer warp groups taking turns at the ring's slots (tiled matrices)
     tile_accumulators: int = 4      # independent accumulators a warp's tile products go round (tiled matrices)
     copies_in_flight: int = 0       # a block's weight copies in flight at most (0: as many as free slots)
