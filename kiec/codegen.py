@@ -162,7 +162,8 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              attention_by_head_keys=att.attr("by_head_keys", 0),
              attention_marked=sched.grid.marks_only >= 1 and not att.attr("combine_in_attn_out"),
              qkv_marked=sched.grid.marks_only >= 2, x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
-             gemv_tiles=all(s.gemv.tiled for s in sched.gemv_stages()), tile_rows=TILE_ROWS, tile_cols=TILE_COLS)
+             gemv_tiles=all(s.gemv.tiled for s in sched.gemv_stages()), tile_rows=TILE_ROWS, tile_cols=TILE_COLS,
+             lm_head_pass_rows=next(s.gemv.pass_rows for s in sched.stages if s.kind == "lm_head"))
     m = dict(w_embed=w["embed"][0], w_final_norm=w["final_norm"][0], w_rope=w["rope"][0],
              w_lanes_base=w["__lanes_base"][0], w_lane_stride=w["__lane_stride"][0], w_total=w["__total"][0],
              w_device_total=w["__device_total"][0],

@@ -19,6 +19,7 @@ class CompileOptions:
     slot_groups: int | None = None      # consumer warp groups taking turns at the ring's slots (None: 1; tiled only)
     tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 4; tiled only)
     copies_in_flight: int | None = None  # a block's weight copies in flight in the layers at most (None: the target's; 0: no cap)
+    lm_head_passes: int | None = None   # 1: the LM head's tile in one pass (None: in as few passes as give the ring another slot; tiled only)
     producer_registers: int | None = None  # registers a producer thread keeps, the consumers taking the rest (None: the target's)
     ring_evict_first: int | None = None  # 1: the ring's copies carry L2's evict-first hint, 0: the normal policy (None: the target's)
     kv_in_flight: int | None = None     # K and V rows an attention lane has in flight: 1, 2, 4 or 8, 2 and up with the next batch's prefetched (None: by query group)
@@ -56,6 +57,8 @@ class CompileOptions:
             raise KiecError("tile_accumulators", self.tile_accumulators, "1, 2 or 4")
         if self.copies_in_flight is not None and not 0 <= self.copies_in_flight <= 64:
             raise KiecError("copies_in_flight", self.copies_in_flight, "0 (no cap) to 64 weight copies a block has in flight")
+        if self.lm_head_passes not in (None, 1):
+            raise KiecError("lm_head_passes", self.lm_head_passes, "1 (the LM head's tile in one pass) or unset")
         if self.producer_registers is not None and not (24 <= self.producer_registers <= 128 and self.producer_registers % 8 == 0):
             raise KiecError("producer_registers", self.producer_registers, "a multiple of 8 from 24 to 128")
         if self.ring_evict_first not in (None, 0, 1):

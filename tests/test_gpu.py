@@ -8,6 +8,7 @@
 - shapes with tails (vocab 1001, head_dim 128 and 256, one KV head) against the Python twin;
 - every attention path (a query head a tile, one split, splits and their combine) across one
   context, against the twin;
+- the LM head's tile in passes changes no bit of the logits;
 - 500 decode steps twice: bitwise-identical tokens and logits; a timeout is an error, not a hang;
 - compute-sanitizer memcheck and racecheck clean on a small model;
 - lanes on one GPU (each lane its own blocks, weights, KV cache and inbox): exact TP at L = 2, 4, 8
@@ -217,6 +218,36 @@ def test_no_attention_reads_this_steps_row_from_the_cache(tmp_path, paths):
     assert errs.max() <= 1e-2 and agree >= 0.95, (errs.max(), agree)
     assert np.array_equal(got, logits[""])        # the same arithmetic, the rows stored later
 
+
+
+def test_the_lm_head_in_passes_changes_no_bit(tmp_path):
+    """A vocabulary of 128,256 makes the LM head's partial sums the scratch's largest: by default its tile
+    goes in passes and the ring gains a slot. Each pass's logits are the same sums, so the logits must
+    be those of the build with the tile in one pass (lm_head_passes=1) bit for bit, and a launch of many
+    steps must select what one launch a step selects (the best row carried across the passes)."""
+    from kiec.options import CompileOptions
+    from kiec.runtime.gpu import CompiledModel, GpuBackend, device_multiprocessors
+    cfg = preset("llama-3.2-1b", hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
+                 num_key_value_heads=4, intermediate_size=4096)
+    spec = load_spec({"weights": str(write_random_model(tmp_path / "m", cfg, seed=37, dtype="bf16")), "max_seq_len": 256})
+    sms = device_multiprocessors()
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {v: pool.submit(CompiledModel, spec, sms, tmp_path / f"build{v}", True, options=CompileOptions.parse(v))
+                for v in ("", "lm_head_passes=1")}
+        built = {v: job.result() for v, job in jobs.items()}
+    lm = {v: next(s for s in b.sched.stages if s.kind == "lm_head").gemv for v, b in built.items()}
+    assert lm[""].pass_rows < lm[""].rows_per_tile and built[""].sched.grid.slots > built["lm_head_passes=1"].sched.grid.slots
+    tokens = [int(t) for t in np.random.default_rng().integers(cfg["vocab_size"], size=40)]
+    logits = {}
+    for v, compiled in built.items():
+        backend = GpuBackend(spec, compiled=compiled, quiet=True)
+        backend.poison()
+        logits[v] = backend.teacher_forced(tokens, 0)
+        if v == "":
+            sequence_launch_selects_what_step_launches_select(backend)
+        del backend
+    assert np.all(np.isfinite(logits[""]))
+    assert np.array_equal(logits[""], logits["lm_head_passes=1"])
 
 @pytest.mark.parametrize("lanes", LANE_COUNTS[1:])
 def test_exact_tensor_parallel_lanes_match_transformers_and_one_lane(lane_built, lanes):

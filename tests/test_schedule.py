@@ -2,6 +2,8 @@
 graph interpreter (the twin reads the packed blob exactly as the kernel does)."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -147,6 +149,25 @@ def test_copies_in_flight_come_from_the_target_unless_asked(models):
     with pytest.raises(KiecError, match="copies_in_flight"):
         CompileOptions.parse("copies_in_flight=-1")
 
+
+
+@pytest.mark.parametrize("name,passes", (("llama-3.2-1b", 2), ("qwen2.5-1.5b", 1)))
+def test_the_lm_head_goes_in_passes_only_where_the_ring_gains_a_slot(tmp_path, name, passes):
+    """Llama-1B's LM head partials (976 rows x 8 warps) alone keep a twelfth slot out; Qwen-1.5B's down
+    needs as much scratch as its LM head would in passes, so its tile stays whole."""
+    (tmp_path / "config.json").write_text(json.dumps(preset(name)))
+    spec = load_spec({"weights": str(tmp_path), "max_seq_len": 1024}).replace(target="cuda:sm_90")
+    built = {}
+    for text in ("", "lm_head_passes=1", "max_slots=11"):
+        _, sched = build_schedule(spec, options=CompileOptions.parse(text))
+        built[text] = sched.grid.slots, next(s.gemv for s in sched.stages if s.kind == "lm_head")
+    (slots, lm), (whole_slots, whole) = built[""], built["lm_head_passes=1"]
+    assert whole.pass_rows == whole.rows_per_tile and lm.pass_rows % TILE_ROWS == 0
+    assert -(-lm.rows_per_tile // lm.pass_rows) == passes and slots == whole_slots + (passes > 1)
+    assert lm.pass_rows // TILE_ROWS * lm.stride // TILE_COLS * 512 % 16384 == 0     # a pass ends on a slot's end
+    assert built["max_slots=11"][1].pass_rows == lm.rows_per_tile        # no slot to gain under the cap
+    with pytest.raises(KiecError, match="lm_head_passes"):
+        CompileOptions.parse("lm_head_passes=2")
 
 def test_marks_alone_are_read_on_one_lane_by_default(models):
     spec = spec_of(models["tiny-llama"])

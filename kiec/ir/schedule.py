@@ -37,6 +37,7 @@ class Gemv:
     seg_width: int
     offset: int = 0         # byte offset of lane 0's packed matrix in the weight blob
     rows_per_tile: int = 0  # set by schedule
+    pass_rows: int = 0      # set by schedule: the rows whose partial sums the scratch holds at once (a tile's, or fewer)
     tiled: bool = False     # groups of TILE_ROWS rows stored as TILE_ROWS x TILE_COLS tiles (kiec.pack)
 
     @property
