@@ -11,7 +11,7 @@ from kiec.errors import KiecError
 from kiec.ir.graph import Graph
 from kiec.model import load_spec
 from kiec.options import CompileOptions
-from kiec.ir.schedule import TILE_COLS, TILE_ROWS
+from kiec.ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS
 from kiec.pack import pack_weights, permute_pairs, tile_rows, unpermute_pairs, untile_rows
 from kiec.passes.fuse import fuse
 from kiec.passes.memplan import memplan
@@ -158,14 +158,17 @@ def test_the_lm_head_goes_in_passes_only_where_the_ring_gains_a_slot(tmp_path, n
     (tmp_path / "config.json").write_text(json.dumps(preset(name)))
     spec = load_spec({"weights": str(tmp_path), "max_seq_len": 1024}).replace(target="cuda:sm_90")
     built = {}
-    for text in ("", "lm_head_passes=1", "max_slots=11"):
+    for text in ("", "lm_head_passes=1", "max_slots=11", "slot_groups=2", "slot_groups=2,lm_head_passes=1"):
         _, sched = build_schedule(spec, options=CompileOptions.parse(text))
-        built[text] = sched.grid.slots, next(s.gemv for s in sched.stages if s.kind == "lm_head")
-    (slots, lm), (whole_slots, whole) = built[""], built["lm_head_passes=1"]
+        built[text] = sched.grid.slots, next(s.gemv for s in sched.stages if s.kind == "lm_head"), sched.grid.slot_bytes
+    (slots, lm, slot_bytes), (whole_slots, whole, _) = built[""], built["lm_head_passes=1"]
     assert whole.pass_rows == whole.rows_per_tile and lm.pass_rows % TILE_ROWS == 0
     assert -(-lm.rows_per_tile // lm.pass_rows) == passes and slots == whole_slots + (passes > 1)
-    assert lm.pass_rows // TILE_ROWS * lm.stride // TILE_COLS * 512 % 16384 == 0     # a pass ends on a slot's end
+    assert lm.pass_rows // TILE_ROWS * lm.stride // TILE_COLS * TILE_BYTES % slot_bytes == 0   # a pass ends on a slot's end
     assert built["max_slots=11"][1].pass_rows == lm.rows_per_tile        # no slot to gain under the cap
+    # with two slot groups the ring keeps an even count: passes only where they still gain a slot
+    (grouped, grouped_lm, _), (grouped_whole, _, _) = built["slot_groups=2"], built["slot_groups=2,lm_head_passes=1"]
+    assert grouped % 2 == 0 and (grouped > grouped_whole) == (grouped_lm.pass_rows < grouped_lm.rows_per_tile)
     with pytest.raises(KiecError, match="lm_head_passes"):
         CompileOptions.parse("lm_head_passes=2")
 

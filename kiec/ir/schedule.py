@@ -160,7 +160,8 @@ class Schedule:
             g = s.gemv
             cut = (f"tiles of {TILE_ROWS}x{TILE_COLS}, stride {g.stride}" if g.tiled else f"seg {g.segments}x{g.seg_width}"
                    ) if g else ""
-            shape = (f" gemv {g.rows}x{g.cols} {cut} rows/tile {g.rows_per_tile}"
+            passes = f" (passes of {g.pass_rows})" if g and g.pass_rows < g.rows_per_tile else ""
+            shape = (f" gemv {g.rows}x{g.cols} {cut} rows/tile {g.rows_per_tile}{passes}"
                      f" @ {g.offset}" if g else "")
             attrs = " ".join(f"{k}={v}" for k, v in s.attrs)
             lines.append(f"  {s.index:3d} {s.name:<22} tiles={s.tiles}{shape} {attrs}".rstrip())

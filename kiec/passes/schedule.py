@@ -167,14 +167,18 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     stages = _rotate(stages, per_lane, blocks)
     stages = _attention_waits(stages)
     slot_bytes = options.slot_bytes or target.slot_bytes
-    if options.lm_head_passes is None:
-        stages = _lm_head_passes(stages, warps, target.smem_bytes - BARRIER_BYTES, slot_bytes, options.max_slots)
+
+    def ring_slots(scratch: int) -> int:
+        slots = (target.smem_bytes - scratch - BARRIER_BYTES) // slot_bytes
+        slots = min(slots, options.max_slots or slots)
+        # warp groups taking turns skip every other phase of a slot's barriers: with an even slot count a
+        # slot always belongs to the same group, so no group waits on a phase two ahead of the one it saw
+        return slots - slots % slot_groups
+
+    if options.lm_head_passes is None and tiled:
+        stages = _lm_head_passes(stages, warps, slot_bytes, ring_slots)
     scratch = max(_stage_scratch(stages, s, warps) for s in stages)
-    slots = (target.smem_bytes - scratch - BARRIER_BYTES) // slot_bytes
-    slots = min(slots, options.max_slots or slots)
-    # warp groups taking turns skip every other phase of a slot's barriers: with an even slot count a
-    # slot always belongs to the same group, so no group waits on a phase two ahead of the one it saw
-    slots -= slots % slot_groups
+    slots = ring_slots(scratch)
     if slots < 2:
         raise KiecError("model", f"{scratch} bytes of scratch", f"a model whose widest stage leaves room for "
                         f"two {slot_bytes}-byte weight slots in {target.smem_bytes} bytes of shared memory")
@@ -258,26 +262,24 @@ def _attention_waits(stages: list) -> list:
     return out
 
 
-def _lm_head_passes(stages: list, warps: int, room: int, slot_bytes: int, max_slots: int | None) -> list:
-    """The LM head's tile in passes where its partial sums alone keep a slot out of the ring (`room`:
-    shared memory less the barriers): as few passes as let the scratch leave room for one more slot,
-    each pass ending on a slot's boundary; else its tile in one pass. Llama-1B's twelfth slot took
-    5.7-6.9 us off a step in two calls (PERF 20d)."""
+def _lm_head_passes(stages: list, warps: int, slot_bytes: int, ring_slots) -> list:
+    """The LM head's (tiled) tile in passes where its partial sums alone keep a slot out of the ring
+    (`ring_slots`: the slots beside a scratch size, as the grid will count them): as few passes as
+    give the ring one more slot, each pass ending on a slot's boundary; else its tile in one pass.
+    Llama-1B's twelfth slot took 5.7-6.9 us off a step in two calls (PERF 20d)."""
     lm = next((s for s in stages if s.kind == "lm_head"), None)
-    if lm is None or not lm.gemv.tiled:
+    if lm is None:
         return stages
     others = max(_stage_scratch(stages, s, warps) for s in stages if s is not lm)
-    slots = (room - max(others, _stage_scratch(stages, lm, warps))) // slot_bytes
-    if max_slots is not None and max_slots <= slots:
-        return stages
+    slots = ring_slots(max(others, _stage_scratch(stages, lm, warps)))
     g = lm.gemv
-    groups, slot_units = -(-g.rows_per_tile // TILE_ROWS), slot_bytes // TILE_BYTES
+    groups = -(-g.rows_per_tile // TILE_ROWS)
     for passes in range(2, groups + 1):
         pass_groups = -(-groups // passes)
-        if pass_groups * (g.stride // TILE_COLS) % slot_units:
+        if pass_groups * (g.stride // TILE_COLS) * TILE_BYTES % slot_bytes:
             continue
         split = dataclasses.replace(lm, gemv=dataclasses.replace(g, pass_rows=pass_groups * TILE_ROWS))
-        if (room - max(others, _stage_scratch(stages, split, warps))) // slot_bytes > slots:
+        if ring_slots(max(others, _stage_scratch(stages, split, warps))) > slots:
             return [split if s is lm else s for s in stages]
     return stages
 
