@@ -152,7 +152,20 @@ def test_logprobs_in_openai_shapes(client, engine):
     assert [c.logprob for c in content] == pytest.approx([t.logprob for t in tokens], abs=1e-9)
     for c, t in zip(content, tokens):
         assert [a.logprob for a in c.top_logprobs] == pytest.approx(list(t.top_logprobs.values()), abs=1e-9)
-    assert content[0].bytes == list(content[0].token.encode())
+    assert [c.bytes for c in content] == [list(engine.tokenizer.token_bytes(t.id)) for t in tokens]
+
+
+def test_chat_logprob_bytes_join_characters_split_over_tokens(engine):
+    from kiec.runtime.engine import Token
+    from kiec.runtime.openai_response import Reply
+    ids = engine.tokenizer.encode("é 😀 日本")
+    reply = Reply("chat", TINY_NAME, engine.tokenizer, logprobs=True)
+    for i in ids:
+        reply.add(Token(id=i, text="", logprob=-1.0, top_logprobs={i: -1.0}))
+    parts = reply.body(None)["choices"][0]["logprobs"]["content"]
+    assert any("\ufffd" in p["token"] for p in parts)        # the emoji's bytes span tokens
+    assert bytes(b for p in parts for b in p["bytes"]).decode() == "é 😀 日本"
+    assert [p["top_logprobs"][0]["bytes"] for p in parts] == [p["bytes"] for p in parts]
 
 
 # --- bad requests: each gets its error, and the server goes on -----------------------------------
@@ -171,11 +184,23 @@ BAD_BODIES = [
     ("/v1/completions", b'{"prompt": [1, 2, 99999999]}', 400, "prompt", None),
     ("/v1/completions", b'{"prompt": ["one", "two"]}', 400, "prompt", None),
     ("/v1/completions", b'{"prompt": ""}', 400, "prompt", None),
-    ("/v1/completions", json.dumps({"prompt": [5] * 1024}).encode(), 413, "prompt", "context_length_exceeded"),
+    ("/v1/completions", json.dumps({"prompt": [5] * 1024}).encode(), 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", b'{"prompt": "hi \\ud800 there"}', 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": "hi", "n": true}', 400, "n", None),
+    ("/v1/completions", b'{"prompt": "hi", "stream_options": {"include_usage": true}}', 400, "stream_options", None),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["ok", ""]}', 400, "stop", None),
     ("/v1/chat/completions", b'{"messages": []}', 400, "messages", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages[0].role", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', 400,
      "top_logprobs", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\udc00"}]}', 400,
+     "messages[0].content", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "x"}]}]}', 400,
+     "messages[0].tool_calls", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}', 400,
+     "max_completion_tokens", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "5", '
+     b'"max_completion_tokens": 5}', 400, "max_tokens", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
      400, "tools", None),
 ]
@@ -191,6 +216,65 @@ def test_bad_request_gets_an_openai_error_naming_the_field(server, client, path,
     if param:
         assert error["message"].startswith(param.split("[")[0])
     assert_serving(client)
+
+
+def test_errors_show_values_as_sent(server):
+    _, _, answer = raw(server, "POST", "/v1/completions", b'{"prompt": "hi", "stop": ["ok", ""]}')
+    assert "got ['ok', '']" in answer["error"]["message"]
+
+
+def test_an_answered_assistant_message_goes_back_as_the_sdk_dumps_it(client, engine):
+    """The openai SDK's `message.model_dump()` carries refusal, tool_calls, audio ... as null."""
+    first = client.chat.completions.create(model=TINY_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=3, temperature=0)
+    said = first.choices[0].message.model_dump()
+    assert said["tool_calls"] is None and said["refusal"] is None
+    messages = [{"role": "user", "content": "Hi"}, said, {"role": "user", "content": "Again"}]
+    again = client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=3, temperature=0)
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    want, _, _ = expected(engine, encode_chat(engine.tokenizer, plain), max_tokens=3)
+    assert again.choices[0].message.content == want
+
+
+def test_a_tiny_repetition_penalty_keeps_the_draw_finite(client):
+    """Dividing by 1e-310 puts a logit past float64's range; the draw must still be a token."""
+    for stream in (False, True):
+        answer = client.completions.create(model=TINY_NAME, prompt="hello hello hello", max_tokens=3,
+                                           temperature=0.7, seed=1, stream=stream,
+                                           extra_body={"repetition_penalty": 1e-310})
+        chunks = list(answer) if stream else [answer]
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_stream_whose_engine_fails_ends_with_an_error_event_and_done(engine):
+    """Headers are sent before the engine runs, so its failure must travel as an event."""
+    import asyncio
+    from kiec.runtime.openai_response import Reply
+    from kiec.runtime.server import EventStream
+
+    class FailingJob:
+        stats = None
+        cancelled = threading.Event()
+
+        async def tokens(self):
+            raise ValueError("the engine broke")
+            yield
+
+        def cancel(self):
+            self.cancelled.set()
+    sent = []
+
+    async def receive():
+        await asyncio.sleep(3600)           # the client stays
+
+    async def send(message):
+        sent.append(message)
+    stream = EventStream(FailingJob(), Reply("completion", TINY_NAME, engine.tokenizer, False), False, lambda: None)
+    asyncio.run(stream({}, receive, send))
+    assert sent[0]["status"] == 200 and sent[-1]["more_body"] is False
+    events = b"".join(m.get("body", b"") for m in sent[1:]).decode().split("\n\n")[:-1]
+    assert json.loads(events[0][len("data: "):])["error"]["type"] == "server_error"
+    assert events[-1] == "data: [DONE]"
 
 
 def test_unknown_field_error_suggests_the_near_name(server):
@@ -332,6 +416,28 @@ def test_requests_wait_in_order_and_leaving_clients_free_the_engine(server, clie
     cancelled = re.findall(r"200 cmpl-\w+ cancelled: \d+ prompt tokens \(\d+ cached\), (\d+) completion tokens", log)
     assert cancelled and int(cancelled[-1]) < 1000
     assert re.search(r"200 cmpl-\w+ cancelled: queued", log)
+
+
+def test_a_waiting_client_that_leaves_frees_its_place_in_the_queue(tiny_model, tmp_path):
+    proc = ServerProcess(tiny_model, tmp_path / "serve.log", "--max-queue", "1").wait_ready()
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        conn, _ = open_stream(proc, max_tokens=1000)
+        for _ in range(3):          # each leaves before the engine reaches it
+            leaver = send_only(proc, {"prompt": "I will leave", "max_tokens": 5})
+            wait_for(lambda: health(proc)["waiting"] == 1)
+            leaver.close()
+            wait_for(lambda: health(proc)["waiting"] == 0)
+        waiting = threading.Thread(target=assert_serving, args=(client,))
+        waiting.start()             # the one place in the queue is free again
+        wait_for(lambda: health(proc)["waiting"] == 1)
+        assert health(proc)["rejected"] == 0
+        conn.close()
+        waiting.join(timeout=60)
+        assert not waiting.is_alive()
+        wait_for(lambda: health(proc)["cancelled"] == 4)
+    finally:
+        proc.stop()
 
 
 def test_full_queue_answers_503_and_the_server_recovers(tiny_model, tmp_path):

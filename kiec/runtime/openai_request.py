@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..errors import KiecError, nearest
 from .chat import encode_chat
-from .sampling import SamplingParams
+from .sampling import SamplingParams, is_int
 
 # fields OpenAI clients send that change nothing here
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
@@ -22,6 +22,8 @@ COMPLETION_FIELDS = COMMON | {"prompt", "max_tokens", "logprobs", "echo", "best_
 CHAT_FIELDS = COMMON | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
                         "tools", "tool_choice", "response_format"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MESSAGE_FIELDS = {"role", "content", "name"}
+EMPTY = (None, [], {})     # what clients send in a message's other fields (refusal, tool_calls, ...) when unused
 
 
 class ApiError(Exception):
@@ -64,8 +66,7 @@ def parse_completion(body, served: Served, tokenizer) -> GenerationRequest:
             raise invalid(name, body[name], f"{allowed[0]!r} or null: not supported by kiec")
     ids = _prompt_ids(body.get("prompt"), served, tokenizer)
     logprobs = body.get("logprobs")
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                 or not 0 <= logprobs <= 20):
+    if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= 20):
         raise invalid("logprobs", logprobs, "an integer in [0, 20] (alternatives per token) or null")
     params = _sampling(body, served, max_tokens=_get(body, "max_tokens", 16), logprobs=logprobs)
     return _request("completion", ids, "prompt", params, body, served)
@@ -88,11 +89,16 @@ def parse_chat(body, served: Served, tokenizer) -> GenerationRequest:
     if not isinstance(wants, bool):
         raise invalid("logprobs", wants, "true or false")
     top = _get(body, "top_logprobs", 0)
-    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+    if not is_int(top) or not 0 <= top <= 20:
         raise invalid("top_logprobs", top, "an integer in [0, 20]")
     if top and not wants:
         raise invalid("top_logprobs", top, "to come with logprobs: true")
-    max_tokens = _get(body, "max_completion_tokens", _get(body, "max_tokens", served.max_seq_len))
+    max_tokens = served.max_seq_len
+    for name in ("max_tokens", "max_completion_tokens"):    # the newer name wins where both come
+        value = body.get(name)
+        if value is not None and (not is_int(value) or value < 1):
+            raise invalid(name, value, "a positive integer")
+        max_tokens = _get(body, name, max_tokens)
     params = _sampling(body, served, max_tokens=max_tokens, logprobs=top if wants else None)
     return _request("chat", ids, "messages", params, body, served)
 
@@ -117,8 +123,9 @@ def _check_common(body, known: set, served: Served) -> None:
     if model is not None and model != served.name:
         raise ApiError(404, f"model {model!r} not found: this server serves {served.name!r}", "model",
                        "model_not_found")
-    if _get(body, "n", 1) != 1:
-        raise invalid("n", body["n"], "1: one sequence at a time (batch size 1)")
+    n = _get(body, "n", 1)
+    if not is_int(n) or n != 1:
+        raise invalid("n", n, "1: one sequence at a time (batch size 1)")
     if body.get("logit_bias") not in (None, {}):
         raise invalid("logit_bias", body["logit_bias"], "null or {}: not supported by kiec")
     if not isinstance(_get(body, "stream", False), bool):
@@ -127,6 +134,8 @@ def _check_common(body, known: set, served: Served) -> None:
     if not isinstance(options, dict) or set(options) - {"include_usage"} \
             or not isinstance(options.get("include_usage", False), bool):
         raise invalid("stream_options", options, '{"include_usage": true or false}')
+    if options and not _get(body, "stream", False):
+        raise invalid("stream_options", options, 'null unless "stream" is true')
 
 
 def _sampling(body: dict, served: Served, max_tokens, logprobs) -> SamplingParams:
@@ -143,8 +152,8 @@ def _sampling(body: dict, served: Served, max_tokens, logprobs) -> SamplingParam
                   ignore_eos=_get(body, "ignore_eos", False))
     try:
         params = SamplingParams(**values)
-    except KiecError as err:
-        raise ApiError(400, str(err), err.field) from None
+    except KiecError as err:           # shown as sent (stop as a list, not the tuple it became)
+        raise invalid(err.field, body.get(err.field, err.value), err.expected) from None
     for token in params.stop_token_ids:
         if token >= served.vocab:
             raise invalid("stop_token_ids", token, f"token ids below the vocabulary size ({served.vocab})")
@@ -155,7 +164,7 @@ def _request(kind: str, ids: list, field: str, params, body: dict, served: Serve
     if not ids:
         raise invalid(field, "", "text that makes at least one token")
     if len(ids) >= served.max_seq_len:
-        raise ApiError(413, f"{field}: got {len(ids)} tokens; expected fewer than the model's max_seq_len "
+        raise ApiError(400, f"{field}: got {len(ids)} tokens; expected fewer than the model's max_seq_len "
                        f"({served.max_seq_len}), leaving room to generate", field, "context_length_exceeded")
     options = _get(body, "stream_options", {})
     return GenerationRequest(kind, tuple(ids), params, _get(body, "stream", False),
@@ -167,8 +176,8 @@ def _prompt_ids(prompt, served: Served, tokenizer) -> list:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return tokenizer.encode(_text(prompt, "prompt"))
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         bad = next((t for t in prompt if not 0 <= t < served.vocab), None)
         if bad is not None:
             raise invalid("prompt", bad, f"token ids in [0, {served.vocab})")
@@ -182,8 +191,12 @@ def _messages(messages) -> list:
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
-            raise invalid(where, m, "an object with role, content (and optionally name): tool calls are not supported")
+        if not isinstance(m, dict):
+            raise invalid(where, m, "an object with role, content (and optionally name)")
+        for key in sorted(set(m) - MESSAGE_FIELDS):
+            if m[key] not in EMPTY:
+                raise invalid(f"{where}.{key}", m[key], "null or empty: kiec reads role, content and name only "
+                              "(tool calls are not supported)")
         if m.get("role") not in ROLES:
             raise invalid(f"{where}.role", m.get("role"), " / ".join(ROLES))
         out.append({"role": ROLES[m["role"]], "content": _content(m.get("content"), f"{where}.content")})
@@ -192,8 +205,18 @@ def _messages(messages) -> list:
 
 def _content(content, where: str) -> str:
     if isinstance(content, str):
-        return content
+        return _text(content, where)
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        return _text("".join(p["text"] for p in content), where)
     raise invalid(where, content, 'a string or a list of {"type": "text", "text": ...} parts')
+
+
+def _text(text: str, where: str) -> str:
+    """JSON's \\u escapes can spell half of a UTF-16 pair, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise invalid(where, text[max(0, err.start - 20): err.end + 20],
+                      "valid Unicode text (a lone UTF-16 surrogate, \\ud800-\\udfff, is not)") from None
+    return text

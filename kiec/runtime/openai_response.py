@@ -64,15 +64,20 @@ class Reply:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special=False)
 
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        """A token's text decoded alone, and its own bytes: those of a character split over tokens
+        join up again, where the text shows U+FFFD."""
+        return {"token": self._token_text(token_id), "logprob": logprob,
+                "bytes": list(self.tokenizer.token_bytes(token_id))}
+
     def _logprob_part(self, token, offset: int):
         if token.logprob is None:
             return None
-        text = self._token_text(token.id)
-        top = [(self._token_text(t), lp) for t, lp in token.top_logprobs.items()]
         if self.kind == "completion":
-            return (text, token.logprob, dict(top), offset)
-        return {"token": text, "logprob": token.logprob, "bytes": list(text.encode()),
-                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top]}
+            top = {self._token_text(t): lp for t, lp in token.top_logprobs.items()}
+            return (self._token_text(token.id), token.logprob, top, offset)
+        return dict(self._chat_entry(token.id, token.logprob),
+                    top_logprobs=[self._chat_entry(t, lp) for t, lp in token.top_logprobs.items()])
 
     def _logprobs(self, parts: list) -> dict:
         if self.kind == "chat":

@@ -21,7 +21,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -56,7 +56,7 @@ class SamplingParams:
             raise KiecError(name, getattr(self, name), expected)
         if not _in_range(self.temperature, 0, 100):
             bad("temperature", "a number in [0, 100] (0: greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "an integer >= 0 (0: off)")
         if not _in_range(self.top_p, 0, 1, low_open=True):
             bad("top_p", "a number in (0, 1]")
@@ -67,16 +67,16 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not _in_range(getattr(self, name), -2, 2):
                 bad(name, "a number in [-2, 2]")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2 ** 64):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2 ** 64):
             bad("seed", "an integer in [0, 2**64) or null")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "a positive integer")
         if (not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS
                 or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop)):
             bad("stop", f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters")
-        if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, tuple) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "token ids (integers >= 0)")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "an integer in [0, 20] or null")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "true or false")
@@ -116,7 +116,9 @@ class Sampler:
         if (p.presence_penalty or p.frequency_penalty) and self.generated:
             ids, counts = np.unique(np.asarray(self.generated, dtype=np.int64), return_counts=True)
             x[ids] -= p.presence_penalty + p.frequency_penalty * counts
-        return x
+        # a tiny repetition_penalty can divide a logit past float64's range, and inf - inf is NaN
+        big = np.finfo(np.float64).max
+        return np.clip(x, -big, big, out=x)
 
     def probabilities(self, logits: np.ndarray, history) -> np.ndarray:
         """The distribution the next token is drawn from, after every option [vocab] (float64)."""

@@ -5,9 +5,9 @@ events or not), GET /v1/models[/{name}], GET /health. Starlette + uvicorn: the e
 loop only parses, queues and writes; the engine runs on its own thread (worker.py).
 
 Safe by default: it binds 127.0.0.1, an API key (if set) is required on every /v1
-route, bodies and prompts are bounded (413), a full queue answers 503, and nothing in
-a request can name a file. Each request logs one line with its tokens, time to first
-token and decode speed.
+route, bodies are bounded (413), prompts by the context (400, as OpenAI answers), a
+full queue answers 503, and nothing in a request can name a file. Each request logs
+one line with its tokens, time to first token and decode speed.
 """
 from __future__ import annotations
 
@@ -225,6 +225,10 @@ class EventStream:
                     await send(_event(self.reply.add(token)))
             except KiecError as err:     # headers are gone: the error travels as an event
                 await send(_event(ApiError(400, str(err), err.field).body()))
+            except OSError:
+                raise
+            except Exception as err:     # the engine failed (the worker logged it): an event too
+                await send(_event(ApiError(500, f"internal error: {type(err).__name__}", kind="server_error").body()))
             if self.include_usage:
                 await send(_event(self.reply.usage_chunk(self.job.stats)))
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})

@@ -6,7 +6,9 @@ byte-level BPE vocabulary, merges and special tokens are rebuilt into an equival
 """
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 
 from ..errors import KiecError
@@ -41,6 +43,21 @@ class Tokenizer:
     def decode(self, ids, skip_special: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (OpenAI's logprob `bytes`). A byte-level BPE token may hold
+        part of a UTF-8 character, which its text decoded alone can only show as U+FFFD."""
+        piece = self.backend.id_to_token(token)
+        if piece is not None and token not in self._added and _is_byte_level(self.backend.decoder) \
+                and all(c in BYTE_OF_CHAR for c in piece):
+            return bytes(BYTE_OF_CHAR[c] for c in piece)
+        if piece is not None and (byte := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)):   # byte fallback
+            return bytes([int(byte.group(1), 16)])
+        return self.decode([token], skip_special=False).encode()
+
+    @functools.cached_property
+    def _added(self) -> frozenset:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
     def stream_decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)
 
@@ -54,6 +71,22 @@ class Tokenizer:
         template = env.from_string(self.chat_template)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=self.special.get("bos", ""), eos_token=self.special.get("eos", ""))
+
+
+def _byte_level_alphabet() -> dict:
+    """GPT-2's byte-level BPE spells each byte as one printable character: printable Latin-1 as
+    itself, the other 68 bytes as U+0100 onwards, in byte order. Character -> byte."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(others)}}
+
+
+BYTE_OF_CHAR = _byte_level_alphabet()
+
+
+def _is_byte_level(decoder) -> bool:
+    from tokenizers import decoders
+    return isinstance(decoder, decoders.ByteLevel)
 
 
 def _raise_template_error(message):

@@ -5,7 +5,8 @@ Batch 1 is the point of kiec, so the engine is never shared: the event loop subm
 loop with `call_soon_threadsafe` (the loop never waits on the engine). A bounded
 number of jobs may wait; past that `submit` raises `QueueFull`. A job cancelled by
 its client (it disconnected) stops at its next token, or is skipped if still waiting,
-so the engine goes straight to the next one. Keeping every engine call on one thread
+so the engine goes straight to the next one; a waiting job stops counting against the
+bound as soon as its client leaves, not when the engine reaches it. Keeping every engine call on one thread
 also suits a GPU backend, whose device context belongs to a thread.
 """
 from __future__ import annotations
@@ -27,16 +28,18 @@ class QueueFull(Exception):
 
 
 class Job:
-    def __init__(self, prompt: list, params, loop: asyncio.AbstractEventLoop):
-        self.prompt, self.params, self.loop = prompt, params, loop
+    def __init__(self, prompt: list, params, loop: asyncio.AbstractEventLoop, on_cancel=lambda job: None):
+        self.prompt, self.params, self.loop, self._on_cancel = prompt, params, loop, on_cancel
         self.events: asyncio.Queue = asyncio.Queue()    # Token, an exception, then DONE; read on the loop
         self.cancelled = threading.Event()
         self.stats = None                                 # the engine's Stats, once it ran
         self.submitted = time.perf_counter()
         self.started = None
+        self.queued = True           # counted in the worker's `waiting` (under its lock)
 
     def cancel(self) -> None:
         self.cancelled.set()
+        self._on_cancel(self)
 
     @property
     def queued_s(self) -> float:
@@ -79,9 +82,17 @@ class EngineWorker:
                 self.counts["rejected"] += 1
                 raise QueueFull()
             self.waiting += 1
-        job = Job(prompt, params, asyncio.get_running_loop())
+        job = Job(prompt, params, asyncio.get_running_loop(), self._leave_queue)
         self._jobs.put(job)
         return job
+
+    def _leave_queue(self, job: Job) -> None:
+        """The job stops counting as waiting, once: when the engine takes it or when its client
+        leaves first (a cancelled job stays in the queue until the engine skips it)."""
+        with self._lock:
+            if job.queued:
+                job.queued = False
+                self.waiting -= 1
 
     def status(self) -> dict:
         with self._lock:
@@ -97,8 +108,8 @@ class EngineWorker:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
+            self._leave_queue(job)
             with self._lock:
-                self.waiting -= 1
                 self.running = True
             self._current = job
             if self._stopping:
