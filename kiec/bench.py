@@ -67,6 +67,8 @@ class BenchOptions:
             raise KiecError("--compile-at", self.compile_at, f"some of the timed contexts {self.contexts}")
         if self.compile_at and not (self.peers and self.compile_peer):
             raise KiecError("--compile-at", self.compile_at, "the torch.compile peer timed (not --no-compile or --no-peers)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise KiecError("--seed", self.seed, "an integer >= 0")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.prompts):
             raise KiecError("--prompts", self.prompts, "prompt lengths of at least 2 tokens, e.g. 512,2048,8192")
 

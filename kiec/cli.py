@@ -6,9 +6,11 @@ exit code 2 and no traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from .cli_args import add_model_args, add_sampling_args, engine_from_args, sampling_from_args, spec_from_args
+from .cli_args import (add_model_args, add_sampling_args, engine_from_args, positive_int, sampling_from_args,
+                       spec_from_args)
 from .errors import KiecError
 
 
@@ -50,7 +52,10 @@ def _print_logprobs(tokenizer, tokens) -> None:
 def cmd_inspect(args) -> int:
     from .inspect import describe
     spec = spec_from_args(args)
-    print(describe(spec, context=args.context))
+    context = min(128, spec.max_seq_len) if args.context is None else args.context
+    if not 1 <= context <= spec.max_seq_len:
+        raise KiecError("--context", context, f"a context length in [1, {spec.max_seq_len}] (max_seq_len)")
+    print(describe(spec, context=context))
     if args.dtp_error:
         from .dtp_error import dtp_error
         print(dtp_error(spec, args.tokens).summary(spec))
@@ -81,10 +86,10 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("inspect", help="print the graph, parameters, bytes per token, the per-lane split")
     add_model_args(p)
-    p.add_argument("--context", type=int, default=128, help="context length for the KV-cache bytes")
+    p.add_argument("--context", type=int, help="context length for the KV-cache bytes (default: 128, or max_seq_len)")
     p.add_argument("--dtp-error", action="store_true",
                    help="with --lanes and --dtp-delay: how far past(d) moves the logits (KL, top-1), on the reference")
-    p.add_argument("--tokens", type=int, default=32, help="teacher-forced tokens for --dtp-error")
+    p.add_argument("--tokens", type=positive_int, default=32, help="teacher-forced tokens for --dtp-error")
     p.set_defaults(func=cmd_inspect)
 
     for register in _extensions():
@@ -103,6 +108,9 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:          # the reader left (`kiec run | head`): stop as cat does, no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # so the exit's flush finds no pipe
+        return 141
 
 
 def _extensions():

@@ -4,9 +4,26 @@ kiec.commands and kiec.compiler; they import from here, and nothing here imports
 from __future__ import annotations
 
 
+import argparse
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: argparse's own error names the flag."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"got {value}; expected a positive integer")
+    return value
+
+
 def spec_from_args(args):
     """The model spec a command names, with the command's overrides."""
     from .model import load_spec
+    if args.model == "smollm2":      # fetched here, so that --quiet reaches the download's messages
+        from .fetch import smollm2_gguf
+        smollm2_gguf(quiet=getattr(args, "quiet", False))
     overrides = {}
     for key in ("max_seq_len", "lanes", "gpus", "dtp_delay", "target"):
         value = getattr(args, key, None)

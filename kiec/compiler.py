@@ -12,14 +12,14 @@ from pathlib import Path
 
 
 def register_compile(sub) -> None:
-    from .cli_args import add_model_args
+    from .cli_args import add_model_args, positive_int
     p = sub.add_parser("compile", help="compile a model into one persistent kernel and its Python module")
     add_model_args(p)
     p.add_argument("--target", help="cuda:sm_90 (default) or hip:gfx942")
     p.add_argument("--dump", type=Path, help="write every stage's IR, the sources and the build here")
     p.add_argument("--check", action="store_true",
                    help="compile the device code only (nvcc -cubin / clang-19 for gfx942): no GPU, no .so")
-    p.add_argument("--multiprocessors", type=int, help="size the grid for this many multiprocessors")
+    p.add_argument("--multiprocessors", type=positive_int, help="size the grid for this many multiprocessors")
     p.add_argument("--options", default="", help="schedule knobs, e.g. slot_bytes=32768,max_slots=8")
     p.set_defaults(func=cmd_compile)
 
@@ -27,8 +27,11 @@ def register_compile(sub) -> None:
 def cmd_compile(args) -> int:
     from .cli_args import spec_from_args
     from .options import CompileOptions
+    from .errors import writable_folder
     spec = spec_from_args(args)
     options = CompileOptions.parse(args.options)
+    if args.dump is not None:
+        writable_folder("--dump", args.dump)
     if args.check:
         return _check(spec, args, options)
     from .runtime.gpu import CompiledModel, device_multiprocessors

@@ -314,7 +314,7 @@ def main(argv=None) -> int:
               f"{r['tf_argmax_agree']:<6.2f} {str(r['bitwise_repeat']):<6} {str(r['device_loop_equal']):<6} "
               f"{r.get('ms_per_token_launch_per_step', float('nan')):<12.4f} {r.get('ms_per_token_one_launch', float('nan')):<11.4f} "
               f"{r.get('ms_per_token_ctx8192', float('nan')):.4f}")
-    return 0
+    return 1 if any("error" in r for r in results["models"]) else 0
 
 
 if __name__ == "__main__":

@@ -22,6 +22,18 @@ def _show(value) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+def writable_folder(field: str, path):
+    """`path` made if need be; a KiecError naming `field` where it cannot be (a file is in the way,
+    no permission, a read-only disk), before any work is spent on what would go there."""
+    from pathlib import Path
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise KiecError(field, str(path), "a folder kiec can create and write", err.strerror) from None
+    return path
+
+
 def nearest(word: str, known) -> str:
     """'did you mean' text for an unknown key; empty when nothing is close."""
     match = difflib.get_close_matches(word, list(known), n=1, cutoff=0.5)

@@ -29,6 +29,10 @@ def _cached_gguf_reader(path: str, size: int, mtime_ns: int):
         raise KiecError("weights", path, "a GGUF file", f"unreadable or truncated: {type(err).__name__}: {err}") from None
 
 
+_REQUIRED = object()    # _meta_number's default for a key the config cannot do without
+_NUMBER = {int: "an integer", float: "a number"}
+
+
 def gguf_config(path: str) -> dict:
     """A Hugging Face-style config from a GGUF file's metadata."""
     reader = open_gguf(path)
@@ -38,29 +42,56 @@ def gguf_config(path: str) -> dict:
         raise KiecError("weights", f"{path} (general.architecture={arch!r})", "a llama, qwen2 or mistral GGUF")
     names = {t.name for t in reader.tensors}
 
-    def key(k, default=None):
-        return meta.get(f"{arch}.{k}", default)
-    heads = int(key("attention.head_count"))
+    def key(k, kind=int, default=_REQUIRED):
+        return _meta_number(meta, f"{arch}.{k}", kind, default, path)
+    heads = key("attention.head_count")
     cfg = {
         "model_type": arch,
-        "hidden_size": int(key("embedding_length")),
-        "num_hidden_layers": int(key("block_count")),
+        "hidden_size": key("embedding_length"),
+        "num_hidden_layers": key("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "intermediate_size": int(key("feed_forward_length")),
-        "max_position_embeddings": int(key("context_length", 4096)),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        "vocab_size": int(key("vocab_size", 0) or reader.tensors[0].shape[-1]),
+        "num_key_value_heads": key("attention.head_count_kv", default=heads),
+        "intermediate_size": key("feed_forward_length"),
+        "max_position_embeddings": key("context_length", default=4096),
+        "rope_theta": key("rope.freq_base", float, 10000.0),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", float, 1e-5),
+        "vocab_size": key("vocab_size", default=0) or _embedding_rows(reader, f"{arch}.vocab_size", path),
         "tie_word_embeddings": "output.weight" not in names,
     }
-    if key("rope.dimension_count"):
-        cfg["head_dim"] = int(key("rope.dimension_count"))
-    if key("attention.sliding_window"):
-        cfg["sliding_window"] = int(key("attention.sliding_window"))
+    if key("rope.dimension_count", default=None):
+        cfg["head_dim"] = key("rope.dimension_count")
+    if key("attention.sliding_window", default=None):
+        cfg["sliding_window"] = key("attention.sliding_window")
     if arch == "qwen2":
         cfg["use_sliding_window"] = False
     return cfg
+
+
+def _meta_number(meta: dict, name: str, kind, default, path: str):
+    """The number stored under GGUF metadata key `name`, as `kind` (int or float).
+
+    A GGUF's metadata is whatever its writer put there: a key can be missing, a string, an
+    array (per-layer counts, as some converters write) or a bool, and int()/float() on those
+    fail with a TypeError that names neither the key nor the file."""
+    value = meta.get(name)          # None also when _field could not read the value
+    if value is None:
+        if default is _REQUIRED:
+            raise KiecError(name, None, f"{_NUMBER[kind]} in the GGUF metadata", f"the key is missing from {path}")
+        return default
+    # bool is an int to Python but a GGUF BOOL is no count; an int float (a 64.0 head count) is fine
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (kind is int and not float(value).is_integer())):
+        raise KiecError(name, value, _NUMBER[kind], f"in the metadata of {path}")
+    return kind(value)
+
+
+def _embedding_rows(reader, name: str, path: str) -> int:
+    """The vocabulary size from token_embd.weight, for a GGUF without `<arch>.vocab_size`."""
+    for t in reader.tensors:
+        if t.name == "token_embd.weight":
+            return int(t.shape[-1])         # GGUF lists the fastest axis first: [hidden, vocab]
+    raise KiecError(name, None, "an integer in the GGUF metadata, or a token_embd.weight tensor",
+                    f"neither is in {path}")
 
 
 def _field(f):

@@ -127,10 +127,9 @@ def load_spec(source, overrides: dict | None = None) -> ModelSpec:
     if not path.exists():
         raise KiecError("model", text, "a model.json, a model folder, a GGUF file or one of "
                         + ", ".join(builtin_models()), "no such file")
-    if path.is_dir():
-        raw = {"weights": str(path)}
-    elif path.suffix == ".gguf":
-        raw = {"weights": str(path)}
+    if path.is_dir() or path.suffix == ".gguf":
+        # absolute: a relative one would be joined again to the base below (the folder, or the file's folder)
+        raw = {"weights": str(path.resolve())}
     else:
         try:
             raw = json.loads(path.read_text())
@@ -254,16 +253,26 @@ def _find_config(raw: dict, weights: str, base: Path) -> tuple[dict, str]:
 
 def _read_json(name: str, path: str) -> dict:
     try:
-        with open(path) as fh:
-            return json.load(fh)
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
     except json.JSONDecodeError as err:
         raise KiecError(name, path, "valid JSON", f"line {err.lineno}: {err.msg}") from None
+    except UnicodeDecodeError as err:      # a ValueError, not a JSONDecodeError
+        raise KiecError(name, path, "a UTF-8 JSON file", str(err)) from None
     except OSError as err:
         raise KiecError(name, path, "a readable file", str(err)) from None
+    if not isinstance(data, dict):
+        raise KiecError(name, path, "a JSON object at the top of the file", f"found a {type(data).__name__}")
+    return data
 
 
 # ---------------------------------------------------------------------------
 # Hugging Face-style configs -> ArchConfig
+
+# what rope_inv_freq reads for each RoPE type; all required, as Hugging Face requires them
+ROPE_FIELDS = {"default": (), "linear": ("factor",),
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
 
 def arch_config(arch: str, hf: dict) -> ArchConfig:
     get = _Getter(hf)
@@ -292,21 +301,32 @@ def arch_config(arch: str, hf: dict) -> ArchConfig:
     )
     if arch == "laneformer":
         return _laneformer(common, hf, get)
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise KiecError(f"config.{key}", hf[key], "an object or null")
     rope = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or {})
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = (_positive_number("config.rope_parameters.rope_theta", rope["rope_theta"]) if "rope_theta" in rope
+             else get.float("rope_theta", 10000.0))
     kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     params = rope if rope.get("rope_type") else scaling
-    if kind not in ("default", "llama3", "linear"):
-        raise KiecError("config.rope_scaling", kind, "'default', 'linear' or 'llama3'")
+    where = "config.rope_parameters" if rope.get("rope_type") else "config.rope_scaling"
+    if kind not in ROPE_FIELDS:
+        raise KiecError(where, kind, "'default', 'linear' or 'llama3'")
+    for key in ROPE_FIELDS[kind]:
+        if key not in params:
+            raise KiecError(f"{where}.{key}", None, "a positive finite number",
+                            f"the key is missing; {kind} RoPE needs it")
+        _positive_number(f"{where}.{key}", params[key])
+    if kind == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
+        raise KiecError(f"{where}.high_freq_factor", params["high_freq_factor"],
+                        f"more than low_freq_factor ({params['low_freq_factor']})",
+                        "the smoothing divides by the difference")
     rope_scaling = () if kind == "default" else tuple(sorted(
-        (k, v) for k, v in params.items() if k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
-                                                    "original_max_position_embeddings")))
-    if rope_scaling and ("rope_type", kind) not in rope_scaling:
-        rope_scaling = tuple(sorted(rope_scaling + (("rope_type", kind),)))
+        [(k, params[k]) for k in ROPE_FIELDS[kind]] + [("rope_type", kind)]))
     window, window_layers = _sliding(arch, hf, layers)
     return ArchConfig(**common, rope_theta=theta, rope_pairs="half", rope_scaling=rope_scaling,
-                      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                      norm_eps=get.float("rms_norm_eps", 1e-6),
                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                       qkv_bias=arch == "qwen2", sliding_window=window, window_layers=window_layers)
 
@@ -341,14 +361,23 @@ def _laneformer(common: dict, hf: dict, get: "_Getter") -> ArchConfig:
         raise KiecError("config.lm_head_type", lm_head_type, " or ".join(LM_HEAD_TYPES),
                         nearest(str(lm_head_type), LM_HEAD_TYPES))
     window = hf.get("sliding_window") or 0
-    count = int(hf.get("sliding_window_n_layers", 0) or 0)
-    unclamped = set(hf.get("unclamped_layers") or ())
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise KiecError("config.sliding_window", window, "a positive integer or null")
+    count = hf.get("sliding_window_n_layers") or 0
+    if isinstance(count, bool) or not isinstance(count, int):     # negative: the last -n layers
+        raise KiecError("config.sliding_window_n_layers", count,
+                        "an integer (the first n layers; -n: the last n) or null")
+    unclamped = hf.get("unclamped_layers") or []
+    if not isinstance(unclamped, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in unclamped):
+        raise KiecError("config.unclamped_layers", unclamped, f"a list of layer indices (0 to {layers - 1}) or null")
+    unclamped = set(unclamped)
     flags = tuple(bool(window) and (i < count or i >= layers + count) and i not in unclamped
                   for i in range(layers))
     if not any(flags):
         window, flags = 0, ()
-    return ArchConfig(**common, rope_theta=float(hf.get("rope_theta", 10000.0)), rope_pairs="adjacent",
-                      norm_eps=float(hf.get("norm_eps", 1e-5)),
+    return ArchConfig(**common, rope_theta=get.float("rope_theta", 10000.0), rope_pairs="adjacent",
+                      norm_eps=get.float("norm_eps", 1e-5),
                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                       sliding_window=int(window), window_layers=flags, lanes=lanes, broadcast_delay=delay,
                       use_comm=bool(hf.get("use_comm", True)), use_early_comm=bool(hf.get("use_early_comm", True)),
@@ -367,6 +396,16 @@ class _Getter:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise KiecError(f"config.{key}", value, "a positive integer")
         return value
+
+    def float(self, key: str, default: float) -> float:
+        return _positive_number(f"config.{key}", self.hf.get(key, default))
+
+
+def _positive_number(name: str, value) -> float:
+    # a zero, negative, NaN or infinite eps/theta/factor gives NaN logits later, not an error
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise KiecError(name, value, "a positive finite number")
+    return float(value)
 
 
 def rope_inv_freq(cfg: ArchConfig):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
-from .errors import KiecError
+from .errors import KiecError, writable_folder
 from .targets import Target
 
 
@@ -45,11 +45,14 @@ def _which(tool: str) -> str:
 
 
 def write_sources(folder: Path, files: dict) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
+    writable_folder("build folder", folder)
     for name, text in files.items():
         path = folder / name
         if not path.exists() or path.read_text() != text:      # ninja rebuilds only what changed
-            path.write_text(text)
+            try:
+                path.write_text(text)
+            except OSError as err:
+                raise KiecError("build folder", str(folder), "a folder kiec can write", err.strerror) from None
 
 
 def ninja_file(target: Target, module_file: str, headers=("kiec_port.h", "kiec_api.h")) -> str:

@@ -9,6 +9,7 @@ config: a missing, extra or misshapen tensor is one clear error.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -76,22 +77,46 @@ def read_safetensors(path: str) -> WeightStore:
     data = np.memmap(path, dtype=np.uint8, mode="r") if size > start else np.zeros(0, np.uint8)
     entries, loaders = {}, {}
     for name, info in header.items():
-        try:
-            dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise KiecError("weights", f"{path}:{name}", "a safetensors entry with dtype, shape and data_offsets",
-                            "corrupt header") from None
-        if dtype not in SAFETENSORS_DTYPES:
-            raise KiecError(f"weights[{name}].dtype", dtype, " / ".join(SAFETENSORS_DTYPES))
-        npdt = _np_dtype(SAFETENSORS_DTYPES[dtype])
-        if hi - lo != int(np.prod(shape, dtype=np.int64)) * npdt.itemsize or lo < 0:
-            raise KiecError(f"weights[{name}]", f"{hi - lo} bytes", f"{shape} of {dtype}", f"corrupt header in {path}")
-        if start + hi > size:
-            raise KiecError("weights", path, f"at least {start + hi} bytes", f"truncated: the file has {size}")
-        entries[name] = (shape, SAFETENSORS_DTYPES[dtype])
+        dtype, shape, lo, hi = _header_entry(path, name, info, start, size)
+        npdt = _np_dtype(dtype)
+        entries[name] = (shape, dtype)
         loaders[name] = (lambda lo=lo, hi=hi, npdt=npdt, shape=shape:
                          np.asarray(data[start + lo:start + hi]).view(npdt).reshape(shape))
     return WeightStore(entries, loaders, path)
+
+
+def _header_entry(path: str, name: str, info, start: int, size: int):
+    """(dtype name, shape, begin, end) of one safetensors header entry, every field checked.
+
+    The header is JSON that any writer (or a hand edit) may fill with anything: a dtype that is a
+    list, a shape of strings, offsets that run backwards or past the file. Each of those has to be
+    one KiecError naming the file and the tensor, not a TypeError from numpy or the arithmetic."""
+    field, where = f"weights[{name}]", f"in {path}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise KiecError(field, info, "a safetensors entry with dtype, shape and data_offsets",
+                        f"corrupt header {where}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:    # a list would not even hash
+        raise KiecError(f"{field}.dtype", dtype, " / ".join(SAFETENSORS_DTYPES), where)
+    if not isinstance(shape, list) or not all(_count(n) for n in shape):
+        raise KiecError(f"{field}.shape", shape, "a list of non-negative integers", f"corrupt header {where}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(n) for n in offsets)
+            and offsets[0] <= offsets[1]):
+        raise KiecError(f"{field}.data_offsets", offsets, "[begin, end]: two integers, 0 <= begin <= end",
+                        f"corrupt header {where}")
+    (lo, hi), shape = offsets, tuple(shape)
+    itemsize = _np_dtype(SAFETENSORS_DTYPES[dtype]).itemsize
+    if hi - lo != math.prod(shape) * itemsize:      # Python ints: a huge shape cannot overflow
+        raise KiecError(field, f"{hi - lo} bytes", f"{shape} of {dtype}", f"corrupt header {where}")
+    if start + hi > size:
+        raise KiecError("weights", path, f"at least {start + hi} bytes",
+                        f"truncated at tensor {name}: the file has {size}")
+    return SAFETENSORS_DTYPES[dtype], shape, lo, hi
+
+
+def _count(n) -> bool:
+    """A JSON non-negative integer (bool is an int to Python, but not a count)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 def read_folder(folder: str) -> WeightStore:
@@ -99,10 +124,7 @@ def read_folder(folder: str) -> WeightStore:
     root = Path(folder)
     index = root / "model.safetensors.index.json"
     if index.exists():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as err:
-            raise KiecError("weights", str(index), "a safetensors index with a weight_map", str(err)) from None
+        files = _index_shards(index)
     else:
         files = sorted(p.name for p in root.glob("*.safetensors"))
     if not files:
@@ -118,6 +140,32 @@ def read_folder(folder: str) -> WeightStore:
         entries.update(part.entries)
         loaders.update(part.loaders)
     return WeightStore(entries, loaders, folder)
+
+
+def _index_shards(index: Path) -> list:
+    """The shard file names a model.safetensors.index.json maps its tensors to, sorted.
+
+    The index is JSON of any shape once hand-edited or written by another tool: the top level a
+    list, weight_map a list, a shard name a number. Each is one KiecError naming the index, not an
+    AttributeError or a TypeError from joining the folder with an int."""
+    try:
+        doc = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise KiecError("weights", str(index), "a safetensors index with a weight_map", str(err)) from None
+    if not isinstance(doc, dict):
+        raise KiecError("weights", str(index), "a safetensors index with a weight_map",
+                        f"its top level is a {type(doc).__name__}, not an object")
+    if "weight_map" not in doc:
+        raise KiecError("weights", str(index), "a safetensors index with a weight_map", "no weight_map key in it")
+    weight_map = doc["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise KiecError("weight_map", weight_map, "an object mapping tensor names to shard file names",
+                        f"in {index}")
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise KiecError(f"weight_map[{tensor}]", shard, "a shard file name (a non-empty string)",
+                            f"in {index}")
+    return sorted(set(weight_map.values()))
 
 
 # --- GGUF -------------------------------------------------------------------------------------

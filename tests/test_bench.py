@@ -209,6 +209,7 @@ def test_without_a_gpu_one_error_line():
     (["tiny-llama", "--contexts", "16,x"], "--contexts: got '16,x'; expected comma-separated integers, e.g. 128,8192"),
     (["tiny-llama", "--contexts", "0"], "--contexts: got (0,); expected positive context lengths"),
     (["tiny-llama", "--steps", "1"], "--steps: got 1; expected an integer of at least 2"),
+    (["tiny-llama", "--contexts", "16", "--no-prefill", "--seed", "-1"], "--seed: got -1; expected an integer >= 0"),
     (["tiny-lama"], "model: got 'tiny-lama'; expected a model.json, a model folder, a GGUF file, smollm2 or a "
                     "synthetic preset (llama-3.2-1b, "),
     (["laneformer-2b", "--contexts", "16"], "model: got 'laneformer-2b'; expected a llama, qwen2 or mistral model "

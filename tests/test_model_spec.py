@@ -45,6 +45,37 @@ def test_model_json_with_relative_paths(tiny_llama, tmp_path):
     assert spec.weights == str((tmp_path / "m" / "model.safetensors").resolve())
 
 
+def _write_gguf_config(path, config: dict) -> None:
+    """A GGUF holding only a llama config's metadata (no tensors): all load_spec reads of it."""
+    import gguf
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_vocab_size(config["vocab_size"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("relative", ["sub/m", "sub/m.gguf"])
+def test_relative_folder_or_gguf_is_not_joined_twice(tiny_llama, tmp_path, monkeypatch, relative):
+    """`cd /tmp/x && kiec inspect sub/m` once looked for /tmp/x/sub/m/sub/m."""
+    (tmp_path / "sub").mkdir()
+    if relative.endswith(".gguf"):
+        _write_gguf_config(tmp_path / relative, preset("tiny-llama"))
+    else:
+        shutil.copytree(tiny_llama, tmp_path / relative)
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(relative)
+    assert spec.weights == str((tmp_path / relative).resolve())
+    assert spec.config.vocab == preset("tiny-llama")["vocab_size"]
+
+
 @pytest.mark.parametrize("arch, hint", [("gpt2", ""), ("lama", "did you mean 'llama'?"),
                                         ("qwen", "did you mean 'qwen2'?")])
 def test_unknown_architecture(tiny_llama, arch, hint):
@@ -103,6 +134,19 @@ def test_unreadable_config(tiny_llama, tmp_path):
     (tmp_path / "c.json").write_text("{oops")
     err = _error(_spec_dict(tiny_llama, config=str(tmp_path / "c.json")))
     assert err.field == "config" and err.expected == "valid JSON"
+
+
+@pytest.mark.parametrize("content, expected", [(b"[1, 2]", "a JSON object at the top of the file"),
+                                               (b'"text"', "a JSON object at the top of the file"),
+                                               (b"\xff\xfe{}", "a UTF-8 JSON file")])
+@pytest.mark.parametrize("given", [True, False])       # named in model.json, or found beside the weights
+def test_config_json_not_an_object_or_not_utf8(tiny_llama, tmp_path, content, expected, given):
+    shutil.copy(tiny_llama / "model.safetensors", tmp_path)
+    (tmp_path / "config.json").write_bytes(content)
+    fields = {"config": str(tmp_path / "config.json")} if given else {}
+    err = _error({"weights": str(tmp_path / "model.safetensors"), **fields})
+    assert err.field == "config" and err.value == str((tmp_path / "config.json").resolve())
+    assert err.expected == expected
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
@@ -178,6 +222,55 @@ def test_bad_config_values(tiny_llama, key, value, field, shown):
     assert err.field == field and err.value == shown
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def _without(params: dict, key: str) -> dict:
+    return {k: v for k, v in params.items() if k != key}
+
+
+@pytest.mark.parametrize("key, value, field, shown", [
+    ("rms_norm_eps", "1e-5", "config.rms_norm_eps", "1e-5"),
+    ("rms_norm_eps", -1, "config.rms_norm_eps", -1),
+    ("rms_norm_eps", 0, "config.rms_norm_eps", 0),
+    ("rms_norm_eps", None, "config.rms_norm_eps", None),
+    ("rope_theta", "1e4", "config.rope_theta", "1e4"),
+    ("rope_theta", 0, "config.rope_theta", 0),
+    ("rope_theta", float("inf"), "config.rope_theta", float("inf")),
+    ("rope_theta", True, "config.rope_theta", True),
+    ("rope_scaling", "abc", "config.rope_scaling", "abc"),
+    ("rope_scaling", [1], "config.rope_scaling", [1]),
+    ("rope_parameters", "x", "config.rope_parameters", "x"),
+    ("rope_parameters", {"rope_theta": -5.0}, "config.rope_parameters.rope_theta", -5.0),
+    ("rope_parameters", {"rope_type": "yarn"}, "config.rope_parameters", "yarn"),
+    ("rope_scaling", {"rope_type": "llama3"}, "config.rope_scaling.factor", None),
+    ("rope_scaling", {"type": "linear"}, "config.rope_scaling.factor", None),
+    ("rope_scaling", {"rope_type": "linear", "factor": "2"}, "config.rope_scaling.factor", "2"),
+    ("rope_parameters", {"rope_type": "linear", "factor": 0}, "config.rope_parameters.factor", 0),
+    ("rope_scaling", _without(LLAMA3, "low_freq_factor"), "config.rope_scaling.low_freq_factor", None),
+    ("rope_scaling", _without(LLAMA3, "original_max_position_embeddings"),
+     "config.rope_scaling.original_max_position_embeddings", None),
+    ("rope_scaling", dict(LLAMA3, high_freq_factor=-4.0), "config.rope_scaling.high_freq_factor", -4.0),
+    ("rope_scaling", dict(LLAMA3, high_freq_factor=1.0), "config.rope_scaling.high_freq_factor", 1.0),
+])
+def test_bad_float_and_rope_config_values(tiny_llama, key, value, field, shown):
+    """Once a ValueError, a KeyError at run time, or NaN logits with exit code 0."""
+    err = _error(_spec_dict(tiny_llama, config=preset("tiny-llama", **{key: value})))
+    assert err.field == field and err.value == shown
+    assert str(err).startswith(f"{field}: got ")
+
+
+@pytest.mark.parametrize("key, value", [("rope_scaling", LLAMA3), ("rope_scaling", {"type": "linear", "factor": 2}),
+                                        ("rope_parameters", dict(LLAMA3, rope_theta=500000.0)),
+                                        ("rope_scaling", None), ("rms_norm_eps", 1e-6), ("rope_theta", 10000)])
+def test_good_rope_and_float_config_values(tiny_llama, key, value):
+    import numpy as np
+    from kiec.model import rope_inv_freq
+    cfg = load_spec(_spec_dict(tiny_llama, config=preset("tiny-llama", **{key: value}))).config
+    assert np.isfinite(rope_inv_freq(cfg)).all() and cfg.norm_eps > 0
+
+
 def test_missing_config_key(tiny_llama):
     config = preset("tiny-llama")
     del config["num_hidden_layers"]
@@ -200,6 +293,35 @@ def test_laneformer_lanes_are_fixed_by_the_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_tiny_laneformer(lm_head_type="columns")))
     err = _error(str(tmp_path))
     assert err.field == "config.lm_head_type" and err.value == "columns"
+
+
+@pytest.mark.parametrize("key, value, expected_part", [
+    ("sliding_window", -16, "a positive integer or null"), ("sliding_window", "16", "a positive integer or null"),
+    ("sliding_window", 1.5, "a positive integer or null"),
+    ("sliding_window_n_layers", "1", "an integer"), ("sliding_window_n_layers", 1.0, "an integer"),
+    ("unclamped_layers", 1, "a list of layer indices (0 to 1)"),
+    ("unclamped_layers", "01", "a list of layer indices"), ("unclamped_layers", [[1]], "a list of layer indices"),
+    ("unclamped_layers", [2], "a list of layer indices (0 to 1)"),
+    ("norm_eps", "1e-5", "a positive finite number"), ("norm_eps", -1e-5, "a positive finite number"),
+    ("rope_theta", 0, "a positive finite number"), ("rope_theta", float("nan"), "a positive finite number"),
+])
+def test_bad_laneformer_config_values(tmp_path, key, value, expected_part):
+    (tmp_path / "config.json").write_text(json.dumps(_tiny_laneformer(**dict(dict(sliding_window=8), **{key: value}))))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    err = _error(str(tmp_path))
+    assert err.field == f"config.{key}" and expected_part in err.expected
+    assert err.value == value or value != value           # NaN is not equal to itself
+
+
+@pytest.mark.parametrize("changes, flags", [
+    (dict(sliding_window_n_layers=1), (True, False)), (dict(sliding_window_n_layers=-1), (False, True)),
+    (dict(sliding_window_n_layers=2, unclamped_layers=[0]), (False, True)),
+    (dict(sliding_window=None, sliding_window_n_layers=None, unclamped_layers=None), ()),
+])
+def test_good_laneformer_window_fields(tmp_path, changes, flags):
+    (tmp_path / "config.json").write_text(json.dumps(_tiny_laneformer(**dict(dict(sliding_window=8), **changes))))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert load_spec(str(tmp_path)).config.window_layers == flags
 
 
 # --- through the command line ------------------------------------------------------------------

@@ -197,6 +197,50 @@ def test_corrupt_safetensors_header(tmp_path, header):
     assert info.value.field.startswith("weights")
 
 
+@pytest.mark.parametrize("entry, field", [
+    ('{"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}', "weights[w].dtype"),
+    ('{"dtype": "F32", "shape": ["x"], "data_offsets": [0, 8]}', "weights[w].shape"),
+    ('{"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}', "weights[w].shape"),
+    ('{"dtype": "F32", "shape": [true, 2], "data_offsets": [0, 8]}', "weights[w].shape"),
+    ('{"dtype": "F32", "shape": [-2], "data_offsets": [8, 0]}', "weights[w].shape"),
+    ('{"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]}', "weights[w].data_offsets"),
+    ('{"dtype": "F32", "shape": [2], "data_offsets": [0]}', "weights[w].data_offsets"),
+    ('{"dtype": "F32", "shape": [2], "data_offsets": [0, 8, 16]}', "weights[w].data_offsets"),
+    ('{"dtype": "F32", "shape": [2], "data_offsets": {"begin": 0, "end": 8}}', "weights[w].data_offsets"),
+    ('{"dtype": "F32", "shape": [0], "data_offsets": [8, 0]}', "weights[w].data_offsets"),
+])
+def test_mistyped_safetensors_header_entry(tmp_path, entry, field):
+    """Well-formed JSON with a field of the wrong type or range: one KiecError naming the tensor's
+    field, its value and the file, not a TypeError/ValueError from numpy."""
+    import json
+    path = tmp_path / "bad.safetensors"
+    header = ('{"w": ' + entry + "}").encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(KiecError) as info:
+        read_safetensors(str(path))
+    assert info.value.field == field and str(path) in info.value.hint
+    assert info.value.value == json.loads(entry)[field.split(".")[-1]]
+
+
+@pytest.mark.parametrize("index, field, value", [
+    ("[1, 2]", "weights", None),
+    ('"model.safetensors"', "weights", None),
+    ('{"weight_map": ["model.safetensors"]}', "weight_map", ["model.safetensors"]),
+    ('{"weight_map": 5}', "weight_map", 5),
+    ('{"weight_map": {"w": 3}}', "weight_map[w]", 3),
+    ('{"weight_map": {"w": null}}', "weight_map[w]", None),
+])
+def test_mistyped_safetensors_index(tmp_path, index, field, value):
+    """An index of the wrong shape: one KiecError naming the index file (as the value, or in the
+    hint beside the weight_map entry that is wrong)."""
+    path = tmp_path / "model.safetensors.index.json"
+    path.write_text(index)
+    with pytest.raises(KiecError) as info:
+        read_folder(str(tmp_path))
+    assert info.value.field == field and str(path) in str(info.value)
+    assert info.value.value == (str(path) if field == "weights" else value)
+
+
 def test_garbage_safetensors(tmp_path):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(np.random.default_rng(0).bytes(4096))
@@ -281,21 +325,25 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, model, quantize=(), change=None) -> None:
+def write_gguf(path, model, quantize=(), change=None, meta=None) -> None:
     """A llama GGUF from a transformers model, as llama.cpp's converter lays it out. `quantize`:
-    GGUF names stored as Q8_0; `change(name, array) -> array | None` edits (None drops)."""
+    GGUF names stored as Q8_0; `change(name, array) -> array | None` edits (None drops);
+    `meta`: metadata keys to overwrite, with a value of another type, or to drop (None)."""
     import gguf
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_vocab_size(cfg.vocab_size)
+    keys = {  # what GGUFWriter's add_block_count() etc. write, by key
+        "llama.block_count": cfg.num_hidden_layers, "llama.context_length": cfg.max_position_embeddings,
+        "llama.embedding_length": cfg.hidden_size, "llama.feed_forward_length": cfg.intermediate_size,
+        "llama.attention.head_count": cfg.num_attention_heads,
+        "llama.attention.head_count_kv": cfg.num_key_value_heads,
+        "llama.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        "llama.rope.freq_base": float(cfg.rope_parameters["rope_theta"]), "llama.vocab_size": cfg.vocab_size,
+    }
+    adders = {int: w.add_uint32, float: w.add_float32, str: w.add_string, list: w.add_array, bool: w.add_bool}
+    for key, value in {**keys, **(meta or {})}.items():
+        if value is not None:
+            adders[type(value)](key, value)
     for hf_name, array in _state(model).items():
         layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
         short = hf_name.split(f"layers.{layer}.", 1)[1] if layer else hf_name
@@ -417,6 +465,32 @@ def test_gguf_missing_and_misshapen_tensors(hf_llama, tmp_path):
     with pytest.raises(KiecError) as info:
         load_checkpoint(load_spec(str(path)))
     assert info.value.field == "weights[blk.1.ffn_down.weight].shape" and info.value.value == [64, 32]
+
+
+@pytest.mark.parametrize("key, value", [
+    ("llama.embedding_length", None), ("llama.block_count", None), ("llama.attention.head_count", None),
+    ("llama.feed_forward_length", None),
+    ("llama.embedding_length", "sixty-four"), ("llama.feed_forward_length", [96, 96]),
+    ("llama.context_length", 1.5), ("llama.rope.freq_base", "x"), ("llama.attention.head_count_kv", True),
+])
+def test_gguf_missing_or_mistyped_metadata(hf_llama, tmp_path, key, value):
+    """A required key dropped (None) or a key of another type: one KiecError naming the key, its
+    value and the file, not a TypeError from int(None)."""
+    path = tmp_path / "meta.gguf"
+    write_gguf(path, hf_llama, meta={key: value})
+    with pytest.raises(KiecError) as info:
+        load_spec(str(path))
+    assert info.value.field == key and info.value.value == value and str(path) in info.value.hint
+    assert info.value.hint.startswith("the key is missing") == (value is None)
+
+
+def test_gguf_optional_metadata_defaults(hf_llama, tmp_path):
+    """Without head_count_kv, context_length and vocab_size: all heads, 4096 and the embedding's rows."""
+    path = tmp_path / "optional.gguf"
+    write_gguf(path, hf_llama, meta=dict.fromkeys(
+        ["llama.attention.head_count_kv", "llama.context_length", "llama.vocab_size"]))
+    cfg = load_spec(str(path)).config
+    assert (cfg.heads, cfg.kv_heads, cfg.max_positions, cfg.vocab) == (4, 4, 4096, 128)
 
 
 def test_unknown_weights_suffix(tiny_llama, tmp_path):

@@ -77,7 +77,10 @@ def make_backend(spec: ModelSpec, backend: str = "auto", **options):
     if backend == "reference":
         return ReferenceBackend(spec, **options)
     if backend == "gpu":
-        from .gpu import GpuBackend
+        from .gpu import GpuBackend, gpu_available
+        if not gpu_available():     # before the build, which takes a while and then fails on the launch
+            raise KiecError("backend", "gpu", "a machine with an NVIDIA GPU (nvidia-smi) and nvcc",
+                            "--backend reference runs the numpy reference")
         return GpuBackend(spec, **options)
     raise KiecError("backend", backend, "'auto', 'gpu' or 'reference'")
 
