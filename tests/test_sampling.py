@@ -227,6 +227,49 @@ def test_held_back_text_is_given_when_no_stop_string_comes(engine):
     assert "".join(t.text for t in tokens) == text and tokens[-1].finish_reason == "length"
 
 
+class ScriptedBackend:
+    """Logits that make greedy decoding pick `script`'s tokens in turn."""
+    name = "scripted"
+
+    def __init__(self, script, vocab: int, max_seq_len: int = 64):
+        self.script, self.vocab, self.max_seq_len = list(script), vocab, max_seq_len
+
+    def forward(self, tokens, start):
+        logits = np.zeros(self.vocab, np.float32)
+        logits[self.script.pop(0)] = 1.0
+        return logits
+
+
+def scripted(engine, script, **options) -> list:
+    from kiec.runtime.engine import Engine
+    tok = engine.tokenizer
+    scripted_engine = Engine(engine.spec, backend=ScriptedBackend(script, tok.vocab_size), tokenizer=tok)
+    return list(scripted_engine.generate(tok.encode(PROMPT), SamplingParams(**options)))
+
+
+@pytest.mark.parametrize("end", ["length", "eos"])
+def test_the_last_token_gives_its_whole_characters(engine, end):
+    """A token can end with a character's first bytes: what comes before them is text, at the last token too."""
+    from test_tokenizer import _char_then_partial
+    tok = engine.tokenizer
+    hi, partial, eos = tok.encode(" hi")[0], _char_then_partial(tok), tok.eos_ids[0]
+    script = [hi, partial] + ([eos] if end == "eos" else [])
+    tokens = scripted(engine, script, max_tokens=2 if end == "length" else 3)
+    assert "".join(t.text for t in tokens) == tok.decode([hi, partial])
+    assert tokens[-1].finish_reason == ("length" if end == "length" else "stop")
+
+
+def test_a_stop_string_in_a_token_with_a_partial_character_stops_there(engine):
+    from test_tokenizer import _char_then_partial
+    tok = engine.tokenizer
+    hi, partial = tok.encode(" hi")[0], _char_then_partial(tok)
+    whole = tok.decode([partial])[:-1]
+    for script in ([hi, partial], [hi, partial, hi, hi]):     # the stop in the last token, and before it
+        tokens = scripted(engine, script, max_tokens=len(script), stop=(whole,))
+        assert len(tokens) == 2 and tokens[-1].finish_reason == "stop"
+        assert "".join(t.text for t in tokens) == " hi"
+
+
 def test_logprobs_are_the_log_softmax_of_the_model_logits(engine):
     from kiec.runtime.engine import ReferenceBackend
     tokens = generate(engine, temperature=1.0, seed=8, max_tokens=5, logprobs=4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from kiec.errors import KiecError
@@ -90,6 +91,38 @@ def test_stream_decoder_never_splits_a_character(kiec_tok):
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert "" in pieces            # some emoji span several byte tokens: nothing shown until complete
+
+
+def _char_then_partial(tok) -> int:
+    """A token whose bytes are a whole character, then the first byte(s) of the next one."""
+    for i in range(tok.vocab_size):
+        text = tok.token_bytes(i).decode("utf-8", errors="replace")
+        if len(text) >= 2 and text.count("\ufffd") == 1 and text.endswith("\ufffd") and not text[-2].isspace():
+            return i
+    raise AssertionError("no such token in the vocabulary")
+
+
+def test_stream_decoder_gives_a_whole_character_before_a_partial_one_at_once(kiec_tok):
+    token = _char_then_partial(kiec_tok)
+    whole = kiec_tok.token_bytes(token).decode("utf-8", errors="replace")[:-1]
+    decoder = kiec_tok.stream_decoder()
+    assert [decoder.push(t) for t in kiec_tok.encode("hi") + [token]] == ["hi", whole]
+    assert decoder.flush() == "\ufffd"       # the unfinished character, as decode shows it
+
+
+def test_stream_decoder_pieces_and_flush_are_the_decoded_text(kiec_tok):
+    """Any tokens, partial characters and invalid bytes included: the pieces never take back what
+    they gave, and with the flush they are exactly decode's text."""
+    rng = np.random.default_rng(5)
+    partial = _char_then_partial(kiec_tok)
+    for _ in range(20):
+        ids = [int(t) for t in rng.integers(0, kiec_tok.vocab_size, 40)] + [partial]
+        decoder = kiec_tok.stream_decoder()
+        pieces = [decoder.push(t) for t in ids]
+        final = kiec_tok.decode(ids)
+        for k in range(len(ids)):
+            assert final.startswith("".join(pieces[: k + 1]))
+        assert "".join(pieces) + decoder.flush() == final
 
 
 @pytest.mark.parametrize("text", TEXTS, ids=TEXT_IDS)

@@ -140,13 +140,14 @@ class Engine:
                 stats.ttft_s = time.perf_counter() - start
             history.append(token)
             stats.completion_tokens = n + 1
-            if sampler.is_stop_token(token):
-                piece, finish = stops.flush(), "stop"
-            else:
-                piece, stopped = stops.push(decoder.push(token))
-                finish = "stop" if stopped else "length" if n == limit - 1 else None
-                if finish == "length":
-                    piece += stops.flush()
+            ends = sampler.is_stop_token(token)     # a stop token adds no text of its own
+            text = "" if ends else decoder.push(token)
+            if ends or n == limit - 1:
+                text += decoder.flush()
+            piece, stopped = stops.push(text)
+            finish = "stop" if stopped or ends else "length" if n == limit - 1 else None
+            if finish is not None and not stopped:
+                piece += stops.flush()
             stats.total_s = time.perf_counter() - start
             self.last_stats = stats
             yield Token(token, piece, logprob, top, finish)

@@ -94,19 +94,37 @@ def _raise_template_error(message):
 
 
 class StreamDecoder:
-    """Turns tokens into text pieces as they come, never splitting a UTF-8 character."""
+    """Turns tokens into text pieces as they come, never splitting a UTF-8 character.
+
+    A byte-level token may end with the first bytes of a character (decoded: U+FFFD); the text
+    before them goes out at once, they wait for the token that completes them, and `flush` gives
+    what is left when the sequence ends. The window decoded starts one token before the unsent
+    text: some tokenizers decode a sequence's first token without its leading space."""
 
     def __init__(self, tok: Tokenizer):
-        self.tok, self.ids, self.prefix, self.read = tok, [], 0, 0
+        self.tok, self.ids = tok, []
+        self.prefix = 0    # the window's first token
+        self.sent = 0      # characters of the window's text already given out
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        before = self.tok.decode(self.ids[self.prefix:self.read])
-        after = self.tok.decode(self.ids[self.prefix:])
-        if after.endswith("\ufffd") or len(after) <= len(before):
+        text = self.tok.decode(self.ids[self.prefix:])
+        end = len(text.rstrip("\ufffd"))
+        if end <= self.sent:
             return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return after[len(before):]
+        piece = text[self.sent:end]
+        if end == len(text):          # nothing held: the window moves on, its last token the context
+            self.prefix = len(self.ids) - 1
+            self.sent = len(self.tok.decode(self.ids[self.prefix:]))
+        else:
+            self.sent = end
+        return piece
+
+    def flush(self) -> str:
+        """The text still held (bytes of an unfinished character show as U+FFFD, as decode shows them)."""
+        piece = self.tok.decode(self.ids[self.prefix:])[self.sent:]
+        self.prefix, self.sent = len(self.ids), 0
+        return piece
 
 
 def load_tokenizer(source: str) -> Tokenizer:
