@@ -15,7 +15,7 @@ from .errors import KiecError
 
 
 def cmd_run(args) -> int:
-    from .runtime.chat import encode_chat
+    from .runtime.chat import encode_chat, print_logprobs
     spec = spec_from_args(args)
     params = sampling_from_args(args)
     engine = engine_from_args(args, spec)
@@ -33,20 +33,12 @@ def cmd_run(args) -> int:
         tokens.append(token)
     sys.stdout.write("\n")
     if params.logprobs is not None:
-        _print_logprobs(engine.tokenizer, tokens)
+        print_logprobs(engine.tokenizer, tokens, sys.stderr)
     s = engine.last_stats
     if not args.quiet:
         print(f"[kiec] {s.completion_tokens} tokens, first after {s.ttft_s * 1e3:.0f} ms, "
               f"{s.decode_tok_s:.1f} tok/s decode", file=sys.stderr)
     return 0
-
-
-def _print_logprobs(tokenizer, tokens) -> None:
-    """One line per token on stderr: the token, its logprob, the alternatives."""
-    show = lambda t: repr(tokenizer.decode([t], skip_special=False))   # noqa: E731
-    for token in tokens:
-        alternatives = "  ".join(f"{show(t)} {lp:.3f}" for t, lp in token.top_logprobs.items())
-        print(f"{show(token.id):>16} {token.logprob:8.3f}  {alternatives}", file=sys.stderr)
 
 
 def cmd_inspect(args) -> int:

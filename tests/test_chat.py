@@ -59,3 +59,10 @@ def test_a_message_beyond_the_context_is_refused_and_the_chat_goes_on(tiny_model
     assert run.returncode == 0, run.stderr
     assert run.stdout == short + "\n"
     assert "max_seq_len is 48" in run.stderr
+
+
+def test_logprobs_print_a_line_per_token_of_each_answer(tiny_model):
+    run = chat(tiny_model, "hello\nagain\n", "--quiet", "--logprobs", "2")
+    assert run.returncode == 0, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 2 * MAX_TOKENS and all(len(line.split()) >= 6 for line in lines)   # token, logprob, 2 pairs

@@ -267,6 +267,7 @@ def test_consumers_take_at_most_what_the_launch_gave_the_block(models):
                 assert kept > launched or warps == 16, text      # refused only where it cannot work
                 continue
             g = sched.grid
+            assert g.threads == threads, text          # what the kernel launches, the producer's warpgroup too
             assert g.producer_registers == kept and kept <= launched, text
             assert g.consumer_registers % 8 == 0 and launched <= g.consumer_registers <= 240, text
             assert (g.consumer_registers * warps + kept * target.producer_warps) * target.warp_size <= launched * threads, text

@@ -108,6 +108,7 @@ class Grid:
     slots: int
     scratch_bytes: int
     devices: int = 1                # 1: every lane on one GPU; else one lane per GPU
+    producer_warps: int = 1         # the producer's warps (a whole warpgroup where registers move by warpgroup)
     reduce_batch: int = 8           # a warp's dot products reduced together
     warp_release: bool = False      # one arrive per consumer warp frees a slot (else one per thread)
     timing_only: int = 0            # 1: no weight copies, 2: no consumer arithmetic, 3: no attention scoring (outputs wrong)
@@ -135,7 +136,7 @@ class Grid:
 
     @property
     def threads(self) -> int:
-        return (self.consumer_warps + 1) * self.warp_size
+        return (self.consumer_warps + self.producer_warps) * self.warp_size
 
 
 @dataclass

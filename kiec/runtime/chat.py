@@ -27,6 +27,7 @@ class ChatSession:
         self.engine, self.params = engine, params
         self.start = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.start)
+        self.tokens = []      # the last answer's tokens (their logprobs with --logprobs)
 
     def reset(self) -> None:
         self.messages = list(self.start)
@@ -37,12 +38,13 @@ class ChatSession:
         if len(ids) >= self.engine.max_seq_len:
             raise ContextFull(len(ids), self.engine.max_seq_len)
         self.messages.append({"role": "user", "content": text})
-        answer = ""
+        answer, self.tokens = "", []
         try:
             for token in self.engine.generate(ids, self.params):
                 out.write(token.text)
                 out.flush()
                 answer += token.text
+                self.tokens.append(token)
         finally:      # an interrupted answer stays in the conversation as far as it got
             self.messages.append({"role": "assistant", "content": answer})
             out.write("\n")
@@ -83,10 +85,20 @@ def chat_loop(session: ChatSession, stdin=None, out=None, err=None, quiet: bool 
             continue
         except KeyboardInterrupt:       # Ctrl-C stops the answer, not the chat
             continue
+        if session.params.logprobs is not None:
+            print_logprobs(session.engine.tokenizer, session.tokens, err)
         if not quiet:
             s = session.engine.last_stats
             print(f"[kiec] {s.completion_tokens} tokens, first after {s.ttft_s * 1e3:.0f} ms, "
                   f"{s.decode_tok_s:.1f} tok/s", file=err)
+
+
+def print_logprobs(tokenizer, tokens, err) -> None:
+    """One line per token: the token, its logprob, the alternatives (`--logprobs N`)."""
+    show = lambda t: repr(tokenizer.decode([t], skip_special=False))   # noqa: E731
+    for token in tokens:
+        alternatives = "  ".join(f"{show(t)} {lp:.3f}" for t, lp in token.top_logprobs.items())
+        print(f"{show(token.id):>16} {token.logprob:8.3f}  {alternatives}", file=err)
 
 
 def _read_line(stdin, out, interactive: bool):
