@@ -270,6 +270,16 @@ def test_a_stop_string_in_a_token_with_a_partial_character_stops_there(engine):
         assert "".join(t.text for t in tokens) == " hi"
 
 
+def test_a_token_id_past_the_vocabulary_is_refused(engine):
+    with pytest.raises(KiecError, match=r"prompt: got 49152; expected token ids in \[0, 49152\)"):
+        next(engine.generate([1, 49152], SamplingParams(max_tokens=2)))
+    from kiec.runtime.gpu import check_token_ids            # the GPU backend's own check, for its other callers
+    check_token_ids([0, 4], 5)
+    for bad in (5, -1):
+        with pytest.raises(KiecError, match=f"token: got {bad}; expected a token id in \\[0, 5\\)"):
+            check_token_ids([1, bad], 5)
+
+
 def test_logprobs_are_the_log_softmax_of_the_model_logits(engine):
     from kiec.runtime.engine import ReferenceBackend
     tokens = generate(engine, temperature=1.0, seed=8, max_tokens=5, logprobs=4)

@@ -102,6 +102,10 @@ class Engine:
     def max_seq_len(self) -> int:
         return self.backend.max_seq_len
 
+    @property
+    def vocab(self) -> int:
+        return self.backend.vocab
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
@@ -111,6 +115,9 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise KiecError("prompt", [], "at least one token")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab), None)
+        if bad is not None:      # a tokenizer can know more tokens than the model has embedding rows
+            raise KiecError("prompt", bad, f"token ids in [0, {self.vocab}) (the model's vocabulary)")
         if len(prompt) >= self.max_seq_len:
             raise KiecError("prompt", f"{len(prompt)} tokens",
                             f"fewer than max_seq_len ({self.max_seq_len}) tokens, leaving room to generate")

@@ -25,6 +25,14 @@ PREFILL_KINDS = ("embed", "norm", "qkv", "rope_kv", "attention", "o", "gate_up",
 REGION_ACTS, REGION_KV, REGION_HISTORY, REGION_TRACE, REGION_TOKENS, REGION_PROFILE = 0, 1, 2, 3, 4, 5
 
 
+def check_token_ids(tokens, vocab: int) -> None:
+    """The kernels read an embedding row by id with no bounds check: an id past the vocabulary would
+    read another tensor's bytes (a tokenizer can know more tokens than the model has rows)."""
+    bad = next((int(t) for t in tokens if not 0 <= int(t) < vocab), None)
+    if bad is not None:
+        raise KiecError("token", bad, f"a token id in [0, {vocab}) (the model's vocabulary)")
+
+
 def gpu_available() -> bool:
     if shutil.which("nvidia-smi") is None or shutil.which("nvcc") is None:
         return False
@@ -139,6 +147,7 @@ class GpuBackend:
                 stop_ids=(), history: bool = False, trace: bool = False, profile: bool = False) -> None:
         if start + n_steps > self.max_seq_len:
             raise KiecError("context", start + n_steps, f"at most max_seq_len ({self.max_seq_len}) tokens")
+        check_token_ids(forced, self.vocab)
         try:
             self.kernel.launch(np.asarray(forced, dtype=np.uint32), n_steps, start, self.step_base, float(temperature),
                                int(seed) & 0xFFFFFFFF, [int(t) for t in stop_ids][:8], history, trace, profile,
@@ -151,6 +160,7 @@ class GpuBackend:
         tokens = list(tokens)
         if start + len(tokens) > self.max_seq_len:
             raise KiecError("context", start + len(tokens), f"at most max_seq_len ({self.max_seq_len}) tokens")
+        check_token_ids(tokens, self.vocab)
         ms, kinds = self.kernel.prefill(np.asarray(tokens, dtype=np.uint32), start, profile)
         return float(ms), kinds
 
