@@ -33,6 +33,10 @@ SHAPES = {
     "hd96-group8": preset("tiny-llama", hidden_size=768, num_attention_heads=8, num_key_value_heads=1,
                           intermediate_size=2048, vocab_size=777),
     "wide-ffn-8960": preset("qwen2.5-1.5b", num_hidden_layers=1, vocab_size=4096),
+    # more splits than the combine's weights had room for: a long context on few KV heads of few dims
+    "kv1-hd32-seq32768": preset("tiny-mistral", max_position_embeddings=32768),
+    "qwen0.5b-shape-seq4096": preset("tiny-qwen2", hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                                     intermediate_size=4864, max_position_embeddings=4096),
     "tiny-llama-lanes2": preset("tiny-llama"),
     "laneformer-lanes4-past2": preset("laneformer-2b", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                                       num_key_value_heads=4, intermediate_size=512, vocab_size=512, num_lanes=4,
@@ -42,6 +46,7 @@ SHAPES["tiny-llama-gpus2"] = SHAPES["tiny-llama-lanes2"]
 SHAPES["laneformer-gpus4-past2"] = SHAPES["laneformer-lanes4-past2"]
 # the lane exchange in the kernel, on one GPU and one lane per GPU
 SPEC_CHANGES = {"tiny-llama-lanes2": {"lanes": 2}, "tiny-llama-gpus2": {"lanes": 2, "gpus": 2},
+                "kv1-hd32-seq32768": {"max_seq_len": 32768}, "qwen0.5b-shape-seq4096": {"max_seq_len": 4096},
                 "laneformer-gpus4-past2": {"gpus": 4}}
 COMPILERS = {"cuda:sm_90": "nvcc", "hip:gfx942": "clang++-19"}
 

@@ -86,6 +86,35 @@ def test_schedule_tiles_cover_rows_and_fit_shared_memory(models, name, target):
         assert g.unit_bytes <= grid.slot_bytes
 
 
+def _config_only(tmp_path, name, **changes):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(preset(name, **changes)))
+    return folder
+
+
+def test_attention_splits_leave_the_combine_room_for_its_weights(tmp_path):
+    """A split's weights go where the warps' output sums were: 2 splits + 1 a head, in warps x head_dim."""
+    folder = _config_only(tmp_path, "tiny-mistral", max_position_embeddings=32768)      # one KV head of 32
+    for target, warps in (("cuda:sm_90", 8), ("hip:gfx942", 4)):
+        _, sched = build_schedule(load_spec({"weights": str(folder), "max_seq_len": 32768, "target": target}))
+        att = next(s for s in sched.stages if s.kind == "attention")
+        assert att.attr("splits") == (warps * 32 - 1) // 2, target      # the room, not the blocks, bounds them
+
+
+def test_head_dim_must_be_a_multiple_of_8(tmp_path):
+    folder = _config_only(tmp_path, "tiny-llama", hidden_size=1000, num_attention_heads=10, num_key_value_heads=2)
+    with pytest.raises(KiecError, match="config.head_dim: got 100; expected a multiple of 8"):
+        build_schedule(load_spec({"weights": str(folder), "max_seq_len": 64}))
+
+
+def test_a_stage_too_wide_for_shared_memory_is_named(tmp_path):
+    folder = _config_only(tmp_path, "tiny-llama", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                          intermediate_size=13824)
+    with pytest.raises(KiecError, match=r"in down\[layer 0\]'.* on hip:gfx942 .*config\.intermediate_size"):
+        build_schedule(load_spec({"weights": str(folder), "max_seq_len": 64, "target": "hip:gfx942"}))
+
+
 def test_kv_in_flight_sets_the_attention_batch(models):
     spec = spec_of(models["tiny-qwen2"])
     lanes_per_key = 1 << (spec.config.head_dim // 8 - 1).bit_length()     # a lane loads 8 of a key's values

@@ -14,8 +14,9 @@ Guarantees:
   (`Target.gemv_tiles`) for bf16 weights, rows for fp16, unless `gemv_tiles` overrides it; tiles need a target that has
   them; a tiled row has at least one tile per consumer warp, and a slot whole tiles for each
   warp reading it; with `slot_groups` warp groups the ring has a multiple of that many slots;
-- an attention stage has one tile per (KV head, split of positions), at most one tile per
-  block of the lane: `splits` per KV head. The split length is chosen per step from the
+- an attention stage (head_dim a multiple of 8) has one tile per (KV head, split of positions), at
+  most one tile per block of the lane: `splits` per KV head, at most (warps x head_dim - 1) / 2 so
+  that the combine's weights fit where the warps' sums were. The split length is chosen per step from the
   context (`attention_splits`): whole batches (one pass of every consumer warp: warps x keys
   a warp reads at once x rows a lane loads), at least `min_split` keys (`split_batches` batches:
   a short context in one split needs no combine), as few splits as fill the lane's blocks, so a
@@ -120,6 +121,9 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                                        rows_per_tile=rows_per_tile, pass_rows=rows_per_tile, tiled=tiled)
             stages.append(dataclasses.replace(s, gemv=gemv, tiles=tiles))
         elif s.kind == "attention":
+            if s.attr("head_dim") % 8:
+                raise KiecError("config.head_dim", s.attr("head_dim"),
+                                "a multiple of 8 (attention loads a row's values 8 at a time, 16 bytes)")
             lanes_per_key = 1 << (max(1, s.attr("head_dim") // 8) - 1).bit_length()
             if lanes_per_key > target.warp_size:
                 raise KiecError("config.head_dim", s.attr("head_dim"), f"at most {8 * target.warp_size} on {target.name}")
@@ -135,7 +139,10 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             prefetch = in_flight > 1
             rows = in_flight // 2 if prefetch else 1
             batch = warps * (target.warp_size // lanes_per_key) * rows
-            splits = max(1, min(per_lane // s.attr("kv_heads"), -(-max_seq_len // batch)))
+            # the combine keeps each split's weights, (2 splits + 1) a head, where the warps' output sums
+            # were: at most (warps x head_dim - 1) / 2 splits (gfx942's 4 waves reach it at head_dim 64)
+            splits = max(1, min(per_lane // s.attr("kv_heads"), -(-max_seq_len // batch),
+                                (warps * s.attr("head_dim") - 1) // 2))
             # a pass over the keys scores up to heads_per_pass query heads (8 accumulators each); a bigger
             # group takes several passes, each loading the keys again, with the heads spread evenly
             passes = -(-group // (options.heads_per_pass or 4))
@@ -180,8 +187,13 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     scratch = max(_stage_scratch(stages, s, warps) for s in stages)
     slots = ring_slots(scratch)
     if slots < 2:
-        raise KiecError("model", f"{scratch} bytes of scratch", f"a model whose widest stage leaves room for "
-                        f"two {slot_bytes}-byte weight slots in {target.smem_bytes} bytes of shared memory")
+        widest = max(stages, key=lambda s: _stage_scratch(stages, s, warps))
+        field = "intermediate_size" if widest.kind == "down" else "hidden_size"
+        why = (f"its input is {widest.gemv.cols} wide (config.{field})" if widest.gemv is not None
+               else "its query group's per-warp sums (config.head_dim, the heads per KV head)")
+        raise KiecError("model", f"{scratch} bytes of scratch in {widest.name}", f"a model whose widest stage leaves "
+                        f"room for two {slot_bytes}-byte weight slots in {target.smem_bytes} bytes of shared memory "
+                        f"on {target.name}", why)
     for s in stages:
         if s.gemv is not None and s.gemv.unit_bytes > slot_bytes:
             raise KiecError("ir", s.name, f"units of at most {slot_bytes} bytes")
