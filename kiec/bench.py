@@ -28,7 +28,7 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +55,8 @@ class BenchOptions:
     def __post_init__(self):
         if not self.contexts or any(isinstance(c, bool) or not isinstance(c, int) or c <= 0 for c in self.contexts):
             raise KiecError("--contexts", self.contexts, "positive context lengths, e.g. 128,8192")
+        if len(set(self.contexts)) != len(self.contexts):
+            raise KiecError("--contexts", self.contexts, "each context once")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
             raise KiecError("--steps", self.steps, "an integer of at least 2")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lanes):
@@ -71,6 +73,8 @@ class BenchOptions:
             raise KiecError("--seed", self.seed, "an integer >= 0")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.prompts):
             raise KiecError("--prompts", self.prompts, "prompt lengths of at least 2 tokens, e.g. 512,2048,8192")
+        if len(set(self.prompts)) != len(self.prompts):
+            raise KiecError("--prompts", self.prompts, "each prompt length once")
 
     @property
     def max_seq_len(self) -> int:
@@ -151,7 +155,8 @@ class BenchModel:
 
 def time_torch_peers(spec, checkpoint, options: BenchOptions, rng, log, found) -> None:
     """found(context, "torch graph" or "torch.compile graph", measurement) as each is timed; the cache
-    fits each context."""
+    fits each context. A peer that fails at a context (out of memory, a compile error) is a row that
+    says so, and the others are still timed."""
     import torch
     from .baselines.torch_decode import GraphedStep, TorchDecoder, compile_step, time_replays
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
@@ -163,12 +168,22 @@ def time_torch_peers(spec, checkpoint, options: BenchOptions, rng, log, found) -
         steps = [("torch graph", decoder)] + ([("torch.compile graph", compiled)] if compiles else [])
         for name, step in steps:
             log(f"{name} at context {context}" + (" (compiling, autotuning)" if step is compiled else ""))
-            graphed = GraphedStep(step, decoder)
             token = int(rng.integers(spec.config.vocab))
-            found(context, name, time_replays(graphed, token, context, options.steps))
-            del graphed
+            found(context, name, peer_row(lambda: time_replays(GraphedStep(step, decoder), token, context,
+                                                                 options.steps)))
+            torch.cuda.empty_cache()
     del decoder, compiled
     torch.cuda.empty_cache()
+
+
+def peer_row(measure) -> dict:
+    """A peer's measurement, or the row that says why there is none: the peers are other people's
+    code (torch, torch.compile, transformers), and kiec's own rows are timed by then."""
+    try:
+        return measure()
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        return {"not_run": f"failed: {type(err).__name__}: {first}"[:300]}
 
 
 def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None, save=lambda raw: None) -> dict:
@@ -179,12 +194,14 @@ def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None
     from .runtime.gpu import GpuBackend
     spec = model.spec
     raw = {"model": model.name, "arch": spec.config.arch, "dtype": spec.dtype, "steps": options.steps,
+           "options": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(options).items()},
            "device": _device_name(), "contexts": [], "prefill": None, "lanes": [], "nccl": []}
     measured = {}
 
     def found(context: int, name: str, row: dict) -> None:
         measured[context][name] = row
-        log(f"{name} at context {context}: {row['ms_per_token']:.4f} ms/token")
+        log(f"{name} at context {context}: "
+            + (row["not_run"] if "not_run" in row else f"{row['ms_per_token']:.4f} ms/token"))
         save(raw)
 
     log("read bandwidth (kiec.probe)")
@@ -197,8 +214,10 @@ def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None
     for context in options.contexts:
         log(f"kiec at context {context}")
         measured[context] = {}
-        raw["contexts"].append({"context": context, "bytes_per_token": bytes_per_token(spec, context),
-                                "measured": measured[context]})
+        # the KV cache as the timed steps read it: positions context .. context + steps - 1 attend
+        # context + 1 .. context + steps positions, context + (steps + 1) / 2 on average
+        read = bytes_per_token(spec, context + (options.steps + 1) / 2)
+        raw["contexts"].append({"context": context, "bytes_per_token": read, "measured": measured[context]})
         for name, row in time_kiec(backend, context, options.steps, rng).items():
             found(context, name, row)
     prefill = None
@@ -222,10 +241,11 @@ def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None
     if options.hf:
         from .baselines.hf_generate import load_hf_model, time_generate
         log("HF generate: load")
-        hf = load_hf_model(model.hf_source(), "cuda", spec.dtype)
+        hf = peer_row(lambda: load_hf_model(model.hf_source(), "cuda", spec.dtype))
         for context in options.contexts:
             log(f"HF generate at context {context}")
-            found(context, "HF generate", time_generate(hf, context, options.steps, options.seed))
+            found(context, "HF generate", hf if isinstance(hf, dict) and "not_run" in hf
+                  else peer_row(lambda: time_generate(hf, context, options.steps, options.seed)))
     from .bench_lanes import time_lanes, time_nccl
     for row in time_lanes(model, checkpoint, options, rng, log):
         raw["lanes"].append(row)

@@ -123,6 +123,40 @@ def test_lane_rows_share_speedup_and_table():
     assert table[-1].split()[:4] == ["8", "128", "not", "run:"]
 
 
+def test_spread_rows_have_no_share_of_one_gpus_floor_and_the_columns_line_up():
+    raw = _raw()
+    raw["lanes"] = [{"lanes": 8, "mode": "exact TP", "placement": "spread", "context": 128, "blocks": 1056,
+                     "ms_per_token": 0.2, "ms_per_token_per_step": 0.25, "exchange_bytes_per_lane": 1892400}]
+    raw["nccl"] = [{"lanes": 8, "context": 128, "ms_per_token": 0.3}]
+    summary = summarize(raw)
+    assert "floor_share" not in summary["lanes"][0] and "floor_share" not in summary["nccl"][0]
+    table = format_table(summary).splitlines()
+    header = next(l for l in table if "sent/lane/token" in l)
+    row = next(l for l in table if "spread" in l and "exact TP" in l)
+    assert row.split()[-4:] == ["-", "1892.4", "kB", "1.50x"]
+    for column in ("ms/token", "% floor", "sent/lane/token", "vs NCCL"):       # right-aligned under its header
+        end = header.index(column) + len(column)
+        assert row[end - 1] != " " and (end == len(row) or row[end] == " "), column
+
+
+def test_a_failed_peer_is_a_row_that_says_so():
+    from kiec.bench import peer_row
+
+    def out_of_memory():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+    raw = _raw()
+    raw["contexts"][0]["measured"]["torch.compile graph"] = peer_row(out_of_memory)
+    summary = summarize(raw)
+    rows = {r["name"]: r for r in summary["contexts"][0]["rows"]}
+    assert rows["torch.compile graph"] == {"name": "torch.compile graph",
+                                           "not_run": "failed: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    assert set(rows["kiec per-sequence"]["speedup"]) == {"torch graph", "HF generate"}
+    table = format_table(summary)
+    assert "torch.compile graph     not run: failed: RuntimeError: CUDA out of memory" in table
+    assert "vs torch.compile graph" not in table
+    assert peer_row(lambda: {"ms_per_token": 1.0}) == {"ms_per_token": 1.0}
+
+
 def test_prefill_floor_share_speedup_and_table():
     from kiec.bench_prefill import layer_matrix_params
     from kiec.synthetic import preset
@@ -209,6 +243,8 @@ def test_without_a_gpu_one_error_line():
     (["tiny-llama", "--contexts", "16,x"], "--contexts: got '16,x'; expected comma-separated integers, e.g. 128,8192"),
     (["tiny-llama", "--contexts", "0"], "--contexts: got (0,); expected positive context lengths"),
     (["tiny-llama", "--steps", "1"], "--steps: got 1; expected an integer of at least 2"),
+    (["tiny-llama", "--contexts", "16,16", "--no-prefill"], "--contexts: got (16, 16); expected each context once"),
+    (["tiny-llama", "--contexts", "16", "--prompts", "64,64"], "--prompts: got (64, 64); expected each prompt length once"),
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--seed", "-1"], "--seed: got -1; expected an integer >= 0"),
     (["tiny-lama"], "model: got 'tiny-lama'; expected a model.json, a model folder, a GGUF file, smollm2 or a "
                     "synthetic preset (llama-3.2-1b, "),
