@@ -136,6 +136,7 @@ class GpuBackend:
         self.max_seq_len = spec.max_seq_len
         self.vocab = spec.config.vocab
         self.step_base = 0
+        self.running = False            # a launch is in flight (between _launch and _finish)
         self.logits_offset = self.sched.memory["acts"]["logits"][0]
         # the matrix-unit prefill takes a prompt's tokens but the last; without it (several lanes, or
         # prefill=False) the decode kernel takes them one step each
@@ -148,13 +149,19 @@ class GpuBackend:
         if start + n_steps > self.max_seq_len:
             raise KiecError("context", start + n_steps, f"at most max_seq_len ({self.max_seq_len}) tokens")
         check_token_ids(forced, self.vocab)
+        if self.running:
+            raise KiecError("launch", "another", "the running launch finished first (its token stream closed)")
         try:
             self.kernel.launch(np.asarray(forced, dtype=np.uint32), n_steps, start, self.step_base, float(temperature),
                                int(seed) & 0xFFFFFFFF, [int(t) for t in stop_ids][:8], history, trace, profile,
                                self.timeout_s)
         except Exception:
-            self.step_base = 0          # a launch that failed cleared the counters (kiec_reset): epochs restart
+            # nothing runs now; a launch refused before it started left the counters where they were, one
+            # that failed halfway reset them: reset them here too, so that the epochs restart from zero
+            self.kernel.reset()
+            self.step_base = 0
             raise
+        self.running = True
 
     def _run_prefill(self, tokens, start: int, profile: bool):
         tokens = list(tokens)
@@ -184,12 +191,13 @@ class GpuBackend:
         return tokens, start
 
     def _finish(self) -> float:
+        self.running = False
         record, ms = self.kernel.finish()
         done = len(self.kernel.poll())
         if record[0]:
             self.step_base = 0
             raise self._device_error(record)
-        self.step_base += done
+        self.step_base = (self.step_base + done) & 0xFFFFFFFF     # the kernel's counters wrap at 32 bits too
         return ms
 
     def _device_error(self, record) -> DeviceError:
