@@ -50,9 +50,10 @@ def test_several_lanes_and_odd_head_dims_keep_the_decode_kernel(tmp_path):
     lanes = _sched(tmp_path / "a", preset("tiny-llama"), lanes=2)
     assert lanes.prefill is None and lanes.config["prefill_off"].startswith("2 lanes")
     (tmp_path / "b").mkdir()
-    odd = _sched(tmp_path / "b", preset("tiny-llama", hidden_size=80, num_attention_heads=4, num_key_value_heads=2))
-    assert odd.prefill is None and "head_dim 20 is not a multiple of 16" in odd.config["prefill_off"]
-    assert "prefill off: head_dim 20" in odd.dump()
+    # a multiple of 8, as the decode kernel's attention needs, but not of the matrix units' 16
+    odd = _sched(tmp_path / "b", preset("tiny-llama", hidden_size=96, num_attention_heads=4, num_key_value_heads=2))
+    assert odd.prefill is None and "head_dim 24 is not a multiple of 16" in odd.config["prefill_off"]
+    assert "prefill off: head_dim 24" in odd.dump()
 
 
 def test_key_tiles_fit_each_target():
