@@ -206,6 +206,9 @@ def _check_spec(spec: ModelSpec) -> None:
     if spec.dtp_delay is not None:
         if isinstance(spec.dtp_delay, bool) or not isinstance(spec.dtp_delay, int) or spec.dtp_delay < 1:
             raise KiecError("dtp_delay", spec.dtp_delay, SPEC_KEYS["dtp_delay"])
+        if cfg.arch == "laneformer" and spec.dtp_delay != cfg.broadcast_delay:
+            raise KiecError("dtp_delay", spec.dtp_delay, f"unset for a laneformer (or its broadcast_delay, "
+                            f"{cfg.broadcast_delay}): it runs the reduce modes it was trained with")
         if spec.dtp_delay >= cfg.layers:
             raise KiecError("dtp_delay", spec.dtp_delay, f"a delay smaller than the layer count ({cfg.layers})")
     _positive_int("max_seq_len", spec.max_seq_len)
@@ -376,13 +379,16 @@ def _laneformer(common: dict, hf: dict, get: "_Getter") -> ArchConfig:
                   for i in range(layers))
     if not any(flags):
         window, flags = 0, ()
+    tied, pre_norm = get.flag("tie_word_embeddings", False), get.flag("pre_norm_lane_agg", False)
+    if tied and lm_head_type != "replicate" and not pre_norm:
+        raise KiecError("config.tie_word_embeddings", True, f"false with lm_head_type {lm_head_type!r}: a tied head "
+                        "is the embedding read whole, as a replicate head (or under pre_norm_lane_agg)")
     return ArchConfig(**common, rope_theta=get.float("rope_theta", 10000.0), rope_pairs="adjacent",
-                      norm_eps=get.float("norm_eps", 1e-5),
-                      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                      norm_eps=get.float("norm_eps", 1e-5), tie_embeddings=tied,
                       sliding_window=int(window), window_layers=flags, lanes=lanes, broadcast_delay=delay,
-                      use_comm=bool(hf.get("use_comm", True)), use_early_comm=bool(hf.get("use_early_comm", True)),
-                      lm_head_type=lm_head_type, pre_norm_lane_agg=bool(hf.get("pre_norm_lane_agg", False)),
-                      replicated_norm=bool(hf.get("replicated_rmsn_scale", True)))
+                      use_comm=get.flag("use_comm", True), use_early_comm=get.flag("use_early_comm", True),
+                      lm_head_type=lm_head_type, pre_norm_lane_agg=pre_norm,
+                      replicated_norm=get.flag("replicated_rmsn_scale", True))
 
 
 class _Getter:
@@ -395,6 +401,15 @@ class _Getter:
             raise KiecError(f"config.{key}", None, "a positive integer", "the key is missing")
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise KiecError(f"config.{key}", value, "a positive integer")
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        """true or false; null or absent is the default (LANEFORMER.md's), not false."""
+        value = self.hf.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise KiecError(f"config.{key}", value, "true, false or null")
         return value
 
     def float(self, key: str, default: float) -> float:

@@ -263,3 +263,35 @@ def test_laneformer_checkpoint_errors(tmp_path):
     with pytest.raises(KiecError) as info:
         load_checkpoint(spec)
     assert info.value.field == "weights[model.layers.0.attention.wq.weight].shape" and info.value.value == [1, 32, 32]
+
+
+def test_laneformer_settings_the_spec_does_not_allow_are_refused(tmp_path):
+    """A delay other than the checkpoint's, and a tied head that is not read whole, have no meaning for a
+    laneformer: each is one error naming the field, not another model run or a crash at load time."""
+    from kiec.errors import KiecError
+    folder = save_checkpoint(tmp_path / "a", BASE, random_laneformer(BASE, seed=0))
+    delay = BASE.get("broadcast_delay", 1)
+    assert load_spec(str(folder), {"dtp_delay": delay}).dtp_delay == delay       # its own: allowed
+    with pytest.raises(KiecError, match=f"dtp_delay: got {delay + 1}; expected unset for a laneformer"):
+        load_spec(str(folder), {"dtp_delay": delay + 1})
+    for head in ("lane", "vocab_parallel"):
+        cfg = dict(BASE, lm_head_type=head, tie_word_embeddings=True)
+        (tmp_path / head).mkdir()
+        (tmp_path / head / "config.json").write_text(json.dumps(cfg))
+        want = f"config.tie_word_embeddings: got True; expected false with lm_head_type '{head}'"
+        with pytest.raises(KiecError, match=want):
+            load_spec(str(tmp_path / head))
+
+
+def test_laneformer_null_flags_take_the_spec_defaults(tmp_path):
+    from kiec.errors import KiecError
+    for key in ("use_comm", "use_early_comm", "replicated_rmsn_scale"):
+        (tmp_path / key).mkdir()
+        (tmp_path / key / "config.json").write_text(json.dumps(dict(BASE, **{key: None})))
+        cfg = load_spec(str(tmp_path / key)).config
+        assert {"use_comm": cfg.use_comm, "use_early_comm": cfg.use_early_comm,
+                "replicated_rmsn_scale": cfg.replicated_norm}[key] is True
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(dict(BASE, use_comm="yes")))
+    with pytest.raises(KiecError, match="config.use_comm: got 'yes'; expected true, false or null"):
+        load_spec(str(tmp_path / "bad"))
