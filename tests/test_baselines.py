@@ -1,7 +1,7 @@
 """The torch peers (kiec/baselines/torch_decode.py) against kiec's numpy reference.
 
 On CPU: the plain step, eager, float32, one token per call, equals the float64 Reference
-within 1e-4 (relative norm per position) over a prompt and 32 decode steps, on tiny random
+within 2e-6 (relative norm per position) over a prompt and 32 decode steps, on tiny random
 llama (also with llama3 RoPE scaling), qwen2 (QKV biases) and mistral (sliding window 16,
 so the later steps are past it). The decoder's own argmax is what it feeds itself, as on the
 GPU, and it must be the reference's argmax at every step.
@@ -9,7 +9,7 @@ The batched prefill peer (torch_prefill.py) gives the reference's logits for a w
 once, and a decode step from the cache it filled gives the next position's.
 On the GPU (marked gpu): the same step captured in one CUDA graph, and its torch.compile form
 captured the same way, replayed with the token fed back on the device, in float32 against the
-reference at the same 1e-4, and in bf16 at the bf16 tolerance.
+reference at 1e-4, and in bf16 at the bf16 tolerance.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from kiec.baselines.torch_prefill import prefill  # noqa: E402
 
 PROMPT, DECODE = 8, 32
 MAX_SEQ = 64
-TOLERANCE = 1e-4               # float32 against float64: the floor is near 1e-7
+CPU_TOLERANCE = 2e-6           # float32 on the CPU against float64: measured 1.4e-7 to 3.1e-7
+TOLERANCE = 1e-4               # float32 on the GPU (other reduction orders), not yet measured tighter
 BF16_TOLERANCE = 2e-2          # bf16 weights and activations: 2^-8 per rounding, over a few layers
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}   # head_dim 16: low, smoothed and scaled bands all occur
@@ -82,7 +83,7 @@ def _eager_decode(decoder, prompt):
 def test_eager_step_equals_reference(model):
     decoder = TorchDecoder(model, load_checkpoint(model), MAX_SEQ)
     fed, logits, chosen = _eager_decode(decoder, _prompt(model))
-    _check_against_reference(model, fed, logits, chosen, TOLERANCE)
+    _check_against_reference(model, fed, logits, chosen, CPU_TOLERANCE)
 
 
 def test_batched_prefill_equals_reference_and_decode_continues_it(model):
@@ -94,7 +95,7 @@ def test_batched_prefill_equals_reference_and_decode_continues_it(model):
         last = prefill(decoder, torch.tensor(tokens[:-1])).numpy()
         step, _ = decoder(torch.tensor(tokens[-1:]), torch.tensor([len(tokens) - 1]))
     errors = relative_errors(np.stack([last, step.numpy()]), want[-2:])
-    assert errors.max() < TOLERANCE, errors
+    assert errors.max() < CPU_TOLERANCE, errors
 
 
 def test_mistral_window_matters(tmp_path):
@@ -106,7 +107,7 @@ def test_mistral_window_matters(tmp_path):
     assert full.config.sliding_window == 0 and windowed.config.sliding_window == 16
     tokens = [int(t) for t in np.random.default_rng(0).integers(config["vocab_size"], size=PROMPT + DECODE)]
     errors = relative_errors(_reference_logits(full, tokens), _reference_logits(windowed, tokens))
-    assert errors[:16].max() < TOLERANCE              # inside the window both see every key
+    assert errors[:16].max() < CPU_TOLERANCE          # inside the window both see every key
     assert errors[16:].min() > 10 * TOLERANCE         # past it, the window changes every position
 
 

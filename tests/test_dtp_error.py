@@ -16,6 +16,21 @@ def test_past_moves_a_standard_model_and_the_report_says_how_far(tiny_llama):
     assert err.kl.shape == (20,) and err.top1.shape == (20,)
     assert np.all(np.isfinite(err.kl)) and np.all(err.kl >= -1e-9)
     assert err.kl.max() > 1e-6                                  # a different model, not a copy of the exact one
+    # the report's numbers from the two models' logits, computed here: KL(exact || past) and top-1
+    from kiec.pipeline import build_graph
+    from kiec.reference.interpreter import Reference, reference_weights
+    from kiec.weights import load_checkpoint
+    ids = np.random.default_rng(1).integers(spec.config.vocab, size=20)
+    ckpt = load_checkpoint(spec)
+    logp = []
+    for variant in (spec.replace(dtp_delay=None), spec):
+        graph = build_graph(variant)
+        x = Reference(graph, reference_weights(graph, ckpt), variant.config, 20, np.float32).forward(ids)
+        x = np.asarray(x, np.float64)
+        logp.append(x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+    p_exact = np.exp(logp[0])
+    assert err.kl == pytest.approx((p_exact * (logp[0] - logp[1])).sum(-1), rel=1e-5, abs=1e-9)
+    assert (err.top1 == (logp[0].argmax(-1) == logp[1].argmax(-1))).all()
     text = err.summary(spec)
     assert text.startswith("dtp error  past(1) at 2 lanes vs exact, teacher-forced on 20 random tokens: KL")
 

@@ -282,7 +282,8 @@ def test_a_token_id_past_the_vocabulary_is_refused(engine):
 
 def test_logprobs_are_the_log_softmax_of_the_model_logits(engine):
     from kiec.runtime.engine import ReferenceBackend
-    tokens = generate(engine, temperature=1.0, seed=8, max_tokens=5, logprobs=4)
+    # the options reshape what is drawn from, not the logprobs: those stay the model's own
+    tokens = generate(engine, temperature=0.7, top_k=5, repetition_penalty=1.3, seed=8, max_tokens=5, logprobs=4)
     backend = ReferenceBackend(engine.spec)          # a second model, outside the engine's cache
     prompt = engine.encode(PROMPT)
     for i, token in enumerate(tokens):

@@ -38,6 +38,11 @@ def models(tmp_path_factory):
     return out
 
 
+# the twin (bf16 cache, the kernel's order of sums) against the float64 reference: measured 4e-5 to 1.2e-4;
+# a split that drops its last key makes 7.9e-4
+TWIN_TOLERANCE = 5e-4
+
+
 def spec_of(folder, **changes):
     return load_spec(str(folder), dict({"max_seq_len": 512}, **changes))
 
@@ -520,7 +525,7 @@ def _twin_vs_reference(spec, positions, blocks=None, options=None):
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 def test_twin_follows_the_reference(models, name):
     # bf16 checkpoints: the blob holds the same weights, the twin differs by its bf16 KV cache only
-    assert _twin_vs_reference(spec_of(models[name]), 40) < 1e-2
+    assert _twin_vs_reference(spec_of(models[name]), 40) < TWIN_TOLERANCE
 
 
 @pytest.mark.parametrize("splits,batch", [(1, 32), (3, 32), (16, 32), (16, 64), (5, 8)])
@@ -557,10 +562,10 @@ def test_twin_follows_the_reference_past_splits_and_window(models, name, blocks,
     length, used = attention_splits(0, positions - 1, att.attr("splits"), att.attr("batch"), att.attr("min_split"))
     assert used >= 2 and (name == "tiny-mistral" or blocks is None or length > att.attr("batch"))
     assert length >= att.attr("min_split") and positions < spec.max_seq_len
-    assert _twin_vs_reference(spec, positions, blocks, options) < 1e-2
+    assert _twin_vs_reference(spec, positions, blocks, options) < TWIN_TOLERANCE
 
 
 def test_twin_follows_the_reference_with_lanes(models):
     # the lane protocol of the schedule (present everywhere) and DTP past(1) as an explicit approximation
     for changes in ({"lanes": 2}, {"lanes": 2, "dtp_delay": 1}):
-        assert _twin_vs_reference(spec_of(models["tiny-llama"], **changes), 12) < 1e-2
+        assert _twin_vs_reference(spec_of(models["tiny-llama"], **changes), 12) < TWIN_TOLERANCE

@@ -112,13 +112,36 @@ def test_chat_stream_and_not_equal_the_engine_on_the_chat_template(client, engin
     assert chunks[-1].usage.completion_tokens == got.usage.completion_tokens
 
 
-def test_every_sampling_option_reaches_the_engine(client, engine):
-    options = dict(temperature=1.2, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.2,
-                   presence_penalty=0.5, frequency_penalty=0.3, seed=1234, max_tokens=10)
-    want, _, _ = expected(engine, engine.encode("Sampling"), **options)
-    extra = {k: options.pop(k) for k in ("top_k", "min_p", "repetition_penalty")}
-    got = client.completions.create(model=TINY_NAME, prompt="Sampling", extra_body=extra, **options)
+# one option at a time, at a value that changes this prompt's sampled completion
+OPTION_CASES = [("temperature", 1.8), ("top_p", 0.3), ("top_k", 3), ("min_p", 0.3)]
+SDK_FIELDS = {"temperature", "top_p", "presence_penalty", "frequency_penalty"}
+
+
+@pytest.mark.parametrize("name, value", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+def test_every_sampling_option_reaches_the_engine(client, engine, name, value):
+    base = dict(temperature=1.0, seed=1234, max_tokens=16)
+    ids = engine.encode("Sampling")
+    without, _, _ = expected(engine, ids, **base)
+    want, _, _ = expected(engine, ids, **dict(base, **{name: value}))
+    assert want != without, f"{name}={value} changes nothing here: the case would not show it arriving"
+    options = dict(base, **({name: value} if name in SDK_FIELDS else {}))
+    got = client.completions.create(model=TINY_NAME, prompt="Sampling",
+                                    extra_body={} if name in SDK_FIELDS else {name: value}, **options)
     assert got.choices[0].text == want
+
+
+def test_every_sampling_field_lands_in_the_engine_s_params(engine):
+    """The penalties change a random model's completion only where it repeats itself, which this tiny one
+    does not do soon: each field is checked where the request becomes the engine's SamplingParams."""
+    from kiec.runtime.openai_request import Served, parse_chat, parse_completion
+    served = Served(TINY_NAME, engine.max_seq_len, engine.spec.config.vocab)
+    fields = dict(temperature=0.7, top_p=0.8, top_k=5, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.4,
+                  frequency_penalty=-0.6, seed=9, stop=["END"], stop_token_ids=[2], ignore_eos=True)
+    for parse, body in ((parse_completion, {"prompt": "hi", "max_tokens": 7}),
+                        (parse_chat, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7})):
+        params = parse(dict(body, **fields), served, engine.tokenizer).params
+        got = {name: getattr(params, name) for name in fields}
+        assert got == dict(fields, stop=("END",), stop_token_ids=(2,)) and params.max_tokens == 7
 
 
 def test_stop_strings_and_stop_ids_through_the_server(client, engine):

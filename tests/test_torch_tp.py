@@ -2,7 +2,7 @@
 
 Two gloo ranks run the sharded torch step (heads, FFN columns and vocabulary rows split, the o and
 down partials all-reduced, the logits' slices gathered) eagerly in float32; their logits over a
-teacher-forced sequence equal the float64 reference within 1e-4 (the unsharded peer's tolerance),
+teacher-forced sequence equal the float64 reference within 2e-6 (the unsharded peer's tolerance),
 on a llama and on a qwen2 (QKV biases; a vocabulary of 333 that does not split evenly, so the LM
 head's padding is exercised). One rank is the unsharded decoder. Shapes that do not split are refused.
 On a GPU (marked gpu): the same over NCCL, one rank per GPU present (up to 2).
@@ -24,7 +24,8 @@ torch = pytest.importorskip("torch")
 from kiec.baselines.torch_decode import TorchDecoder  # noqa: E402
 from kiec.baselines.torch_tp import run_ranks, shard_decoder, teacher_forced  # noqa: E402
 
-TOLERANCE = 1e-4
+CPU_TOLERANCE = 2e-6       # float32 gloo ranks on the CPU against float64 (measured near 1e-7)
+TOLERANCE = 1e-4           # NCCL ranks on GPUs, not yet measured tighter
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
@@ -42,7 +43,7 @@ def test_sharded_decode_matches_the_reference(model, world):
     errs = relative_errors(got, want)
     print(f"{model.config.arch} over {world} rank(s): max rel err {errs.max():.3g}")
     assert got.shape == (len(tokens), model.config.vocab)
-    assert np.all(np.isfinite(got)) and errs.max() <= TOLERANCE
+    assert np.all(np.isfinite(got)) and errs.max() <= CPU_TOLERANCE
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
 
 
