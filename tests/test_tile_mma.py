@@ -6,19 +6,32 @@ mma.sync.m16n8k16 as A, each lane's 16 bytes as loaded, and x as B in the layout
 and D[r + 8][2..3] of lane 4r + 1. This test composes those three layouts with the instruction's
 fragment ownership as the PTX ISA states it, and checks that each row comes out as its dot product.
 """
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+import kiec
 from kiec.ir.schedule import TILE_COLS, TILE_ROWS
 from kiec.pack import tile_rows
 
-X_ERROR = 16        # halves from an element's rounding to its error (stage_gemv.j2)
+# The layout is read from the template the kernel is rendered from, not copied here: a change to the
+# kernel's x_tiles_at or X_ERROR is what this test then checks.
+TEMPLATE = (Path(kiec.__file__).parent / "templates" / "stage_gemv.j2").read_text()
+X_ERROR = int(re.search(r"constexpr uint32_t X_ERROR = (\d+);", TEMPLATE).group(1))
+_BODY = re.search(r"T\* x_tiles_at\(T\* xt, uint32_t i\) \{\n(.*?)\n\}", TEMPLATE, re.S).group(1)
+_DECL = re.search(r"const uint32_t c = (.*?), pair = (.*?);", _BODY)
+_C, _PAIR, _AT = (e.replace("/", "//") for e in          # unsigned C division: Python's floor division
+                  (_DECL.group(1), _DECL.group(2), re.search(r"return xt \+ (.*?);", _BODY).group(1)))
 
 
 def x_tiles_at(i: int) -> int:
-    """The kernel's x_tiles_at: the half index of x[i]'s rounding."""
-    c, pair = i % TILE_COLS, i % TILE_COLS % 4 // 2
-    return (i // TILE_COLS) * 2 * TILE_COLS + (pair * 8 + c // 8) * 4 + c % 8 // 4 * 2 + c % 2
+    """The kernel's x_tiles_at (its C arithmetic, evaluated): the half index of x[i]'s rounding."""
+    env = {"i": i, "TILE_COLS": TILE_COLS}
+    env["c"] = eval(_C, {}, env)
+    env["pair"] = eval(_PAIR, {}, env)
+    return eval(_AT, {}, env)
 
 
 def bf16_round(v: np.ndarray) -> np.ndarray:
