@@ -240,7 +240,7 @@ def _find_config(raw: dict, weights: str, base: Path) -> tuple[dict, str]:
     if "config" in raw:
         cfg = raw["config"]
         if isinstance(cfg, str):
-            cfg = _read_json("config", _existing_path("config", cfg, base))
+            cfg = read_json_object("config", _existing_path("config", cfg, base))
         if not isinstance(cfg, dict):
             raise KiecError("config", cfg, SPEC_KEYS["config"])
         return cfg, default_tok
@@ -249,12 +249,13 @@ def _find_config(raw: dict, weights: str, base: Path) -> tuple[dict, str]:
         return gguf_config(weights), default_tok
     folder = wpath if wpath.is_dir() else wpath.parent
     if (folder / "config.json").exists():
-        return _read_json("config", str(folder / "config.json")), default_tok
+        return read_json_object("config", str(folder / "config.json")), default_tok
     raise KiecError("config", None, SPEC_KEYS["config"],
                     f"not given, and no config.json beside the weights in {folder}")
 
 
-def _read_json(name: str, path: str) -> dict:
+def read_json_object(name: str, path: str) -> dict:
+    """A JSON file whose top level is an object; a KiecError naming `name` and the file otherwise."""
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)

@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import KiecError
 from .gguf_meta import open_gguf
-from .model import ArchConfig
+from .model import ArchConfig, read_json_object
 
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 GGUF_NOT_WEIGHTS = ("I8", "I16", "I32", "I64", "F64")     # GGUF tensor types no weight of ours has
@@ -148,13 +148,7 @@ def _index_shards(index: Path) -> list:
     The index is JSON of any shape once hand-edited or written by another tool: the top level a
     list, weight_map a list, a shard name a number. Each is one KiecError naming the index, not an
     AttributeError or a TypeError from joining the folder with an int."""
-    try:
-        doc = json.loads(index.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise KiecError("weights", str(index), "a safetensors index with a weight_map", str(err)) from None
-    if not isinstance(doc, dict):
-        raise KiecError("weights", str(index), "a safetensors index with a weight_map",
-                        f"its top level is a {type(doc).__name__}, not an object")
+    doc = read_json_object("weights", str(index))
     if "weight_map" not in doc:
         raise KiecError("weights", str(index), "a safetensors index with a weight_map", "no weight_map key in it")
     weight_map = doc["weight_map"]
