@@ -276,7 +276,7 @@ def test_a_token_id_past_the_vocabulary_is_refused(engine):
     from kiec.runtime.gpu import check_token_ids            # the GPU backend's own check, for its other callers
     check_token_ids([0, 4], 5)
     for bad in (5, -1):
-        with pytest.raises(KiecError, match=f"token: got {bad}; expected a token id in \\[0, 5\\)"):
+        with pytest.raises(KiecError, match=f"token: got {bad}; expected token ids in \\[0, 5\\)"):
             check_token_ids([1, bad], 5)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import KiecError
 from ..model import ModelSpec
 from ..progress import report
+from .gpu import check_token_ids
 from .sampling import Sampler, SamplingParams, StopStrings
 
 
@@ -115,9 +116,7 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise KiecError("prompt", [], "at least one token")
-        bad = next((t for t in prompt if not 0 <= t < self.vocab), None)
-        if bad is not None:      # a tokenizer can know more tokens than the model has embedding rows
-            raise KiecError("prompt", bad, f"token ids in [0, {self.vocab}) (the model's vocabulary)")
+        check_token_ids(prompt, self.vocab, "prompt")     # the reference backend's too, not only the GPU's
         if len(prompt) >= self.max_seq_len:
             raise KiecError("prompt", f"{len(prompt)} tokens",
                             f"fewer than max_seq_len ({self.max_seq_len}) tokens, leaving room to generate")

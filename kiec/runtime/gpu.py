@@ -25,12 +25,12 @@ PREFILL_KINDS = ("embed", "norm", "qkv", "rope_kv", "attention", "o", "gate_up",
 REGION_ACTS, REGION_KV, REGION_HISTORY, REGION_TRACE, REGION_TOKENS, REGION_PROFILE = 0, 1, 2, 3, 4, 5
 
 
-def check_token_ids(tokens, vocab: int) -> None:
+def check_token_ids(tokens, vocab: int, field: str = "token") -> None:
     """The kernels read an embedding row by id with no bounds check: an id past the vocabulary would
     read another tensor's bytes (a tokenizer can know more tokens than the model has rows)."""
     bad = next((int(t) for t in tokens if not 0 <= int(t) < vocab), None)
     if bad is not None:
-        raise KiecError("token", bad, f"a token id in [0, {vocab}) (the model's vocabulary)")
+        raise KiecError(field, bad, f"token ids in [0, {vocab}) (the model's vocabulary)")
 
 
 def gpu_available() -> bool:
