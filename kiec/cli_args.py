@@ -3,7 +3,6 @@ become: a ModelSpec, SamplingParams, an Engine. The commands that take them live
 kiec.commands and kiec.compiler; they import from here, and nothing here imports them."""
 from __future__ import annotations
 
-
 import argparse
 
 

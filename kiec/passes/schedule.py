@@ -211,7 +211,8 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                         f"for each of the {group_warps} warps reading a slot (tiled matrices)")
     grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
                 slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices,
-                producer_warps=target.producer_warps, reduce_batch=options.reduce_batch or 8, warp_release=bool(options.warp_release),
+                producer_warps=target.producer_warps,
+                reduce_batch=options.reduce_batch or 8, warp_release=bool(options.warp_release),
                 timing_only=options.timing_only or 0, slot_groups=slot_groups,
                 tile_accumulators=options.tile_accumulators or 4,
                 copies_in_flight=min(target.copies_in_flight if options.copies_in_flight is None

@@ -6,8 +6,8 @@ loop with `call_soon_threadsafe` (the loop never waits on the engine). A bounded
 number of jobs may wait; past that `submit` raises `QueueFull`. A job cancelled by
 its client (it disconnected) stops at its next token, or is skipped if still waiting,
 so the engine goes straight to the next one; a waiting job stops counting against the
-bound as soon as its client leaves, not when the engine reaches it. Keeping every engine call on one thread
-also suits a GPU backend, whose device context belongs to a thread.
+bound as soon as its client leaves, not when the engine reaches it. Keeping every engine
+call on one thread also suits a GPU backend, whose device context belongs to a thread.
 """
 from __future__ import annotations
 
