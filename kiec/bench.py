@@ -35,7 +35,7 @@ import numpy as np
 
 from .bench_kiec import time_kiec
 from .bench_report import PLACEMENTS, format_table, summarize
-from .errors import KiecError, nearest
+from .errors import KiecError, is_int, nearest
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,13 @@ class BenchOptions:
     prompts: tuple = (512, 2048, 8192)    # prompt lengths to time to first token; () leaves prefill out
 
     def __post_init__(self):
-        if not self.contexts or any(isinstance(c, bool) or not isinstance(c, int) or c <= 0 for c in self.contexts):
+        if not self.contexts or any(not is_int(c) or c <= 0 for c in self.contexts):
             raise KiecError("--contexts", self.contexts, "positive context lengths, e.g. 128,8192")
         if len(set(self.contexts)) != len(self.contexts):
             raise KiecError("--contexts", self.contexts, "each context once")
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
+        if not is_int(self.steps) or self.steps < 2:
             raise KiecError("--steps", self.steps, "an integer of at least 2")
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lanes):
+        if any(not is_int(n) or n < 1 for n in self.lanes):
             raise KiecError("--lanes", self.lanes, "positive lane counts, e.g. 1,2,4,8")
         if len(set(self.lanes)) != len(self.lanes):
             raise KiecError("--lanes", self.lanes, "each lane count once")
@@ -69,9 +69,9 @@ class BenchOptions:
             raise KiecError("--compile-at", self.compile_at, f"some of the timed contexts {self.contexts}")
         if self.compile_at and not (self.peers and self.compile_peer):
             raise KiecError("--compile-at", self.compile_at, "the torch.compile peer timed (not --no-compile or --no-peers)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise KiecError("--seed", self.seed, "an integer >= 0")
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.prompts):
+        if any(not is_int(n) or n < 2 for n in self.prompts):
             raise KiecError("--prompts", self.prompts, "prompt lengths of at least 2 tokens, e.g. 512,2048,8192")
         if len(set(self.prompts)) != len(self.prompts):
             raise KiecError("--prompts", self.prompts, "each prompt length once")

@@ -17,6 +17,17 @@ class DeviceError(KiecError):
     """The GPU kernel stopped itself (a bounded wait ran out) or a CUDA/HIP call failed."""
 
 
+def is_int(value) -> bool:
+    """An int, not a bool: JSON's true and false are ints to Python, and a count or an index given as true
+    must be refused, not read as 1."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """An int or a float, not a bool (as is_int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _show(value) -> str:
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import os
 
-from .errors import KiecError
+from .errors import KiecError, is_number
 
 
 def open_gguf(path: str):
@@ -79,8 +79,7 @@ def _meta_number(meta: dict, name: str, kind, default, path: str):
             raise KiecError(name, None, f"{_NUMBER[kind]} in the GGUF metadata", f"the key is missing from {path}")
         return default
     # bool is an int to Python but a GGUF BOOL is no count; an int float (a 64.0 head count) is fine
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or (kind is int and not float(value).is_integer())):
+    if not is_number(value) or (kind is int and not float(value).is_integer()):
         raise KiecError(name, value, _NUMBER[kind], f"in the metadata of {path}")
     return kind(value)
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import KiecError, nearest
+from .errors import KiecError, is_int, is_number, nearest
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "laneformer")
 DTYPES = ("bf16", "fp16")
@@ -204,7 +204,7 @@ def _check_spec(spec: ModelSpec) -> None:
         if cfg.lm_head_type == "vocab_parallel" and cfg.vocab % spec.lanes:
             raise KiecError("lanes", spec.lanes, f"a divisor of vocab_size ({cfg.vocab}) for a vocab_parallel head")
     if spec.dtp_delay is not None:
-        if isinstance(spec.dtp_delay, bool) or not isinstance(spec.dtp_delay, int) or spec.dtp_delay < 1:
+        if not is_int(spec.dtp_delay) or spec.dtp_delay < 1:
             raise KiecError("dtp_delay", spec.dtp_delay, SPEC_KEYS["dtp_delay"])
         if cfg.arch == "laneformer" and spec.dtp_delay != cfg.broadcast_delay:
             raise KiecError("dtp_delay", spec.dtp_delay, f"unset for a laneformer (or its broadcast_delay, "
@@ -218,7 +218,7 @@ def _check_spec(spec: ModelSpec) -> None:
 
 
 def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise KiecError(name, value, "a positive integer")
 
 
@@ -351,7 +351,7 @@ def _sliding(arch: str, hf: dict, layers: int) -> tuple[int, tuple]:
         flags = (True,) * layers
     if not any(flags):
         return 0, ()
-    if not isinstance(window, int) or window <= 0:
+    if not is_int(window) or window <= 0:
         raise KiecError("config.sliding_window", window, "a positive integer or null")
     return window, flags
 
@@ -365,15 +365,15 @@ def _laneformer(common: dict, hf: dict, get: "_Getter") -> ArchConfig:
         raise KiecError("config.lm_head_type", lm_head_type, " or ".join(LM_HEAD_TYPES),
                         nearest(str(lm_head_type), LM_HEAD_TYPES))
     window = hf.get("sliding_window") or 0
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+    if not is_int(window) or window < 0:
         raise KiecError("config.sliding_window", window, "a positive integer or null")
     count = hf.get("sliding_window_n_layers") or 0
-    if isinstance(count, bool) or not isinstance(count, int):     # negative: the last -n layers
+    if not is_int(count):     # negative: the last -n layers
         raise KiecError("config.sliding_window_n_layers", count,
                         "an integer (the first n layers; -n: the last n) or null")
     unclamped = hf.get("unclamped_layers") or []
     if not isinstance(unclamped, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in unclamped):
+            is_int(i) and 0 <= i < layers for i in unclamped):
         raise KiecError("config.unclamped_layers", unclamped, f"a list of layer indices (0 to {layers - 1}) or null")
     unclamped = set(unclamped)
     flags = tuple(bool(window) and (i < count or i >= layers + count) and i not in unclamped
@@ -400,7 +400,7 @@ class _Getter:
         value = self.hf.get(key, default)
         if value is None:
             raise KiecError(f"config.{key}", None, "a positive integer", "the key is missing")
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if not is_int(value) or value <= 0:
             raise KiecError(f"config.{key}", value, "a positive integer")
         return value
 
@@ -419,7 +419,7 @@ class _Getter:
 
 def _positive_number(name: str, value) -> float:
     # a zero, negative, NaN or infinite eps/theta/factor gives NaN logits later, not an error
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not is_number(value) or not math.isfinite(value) or value <= 0:
         raise KiecError(name, value, "a positive finite number")
     return float(value)
 

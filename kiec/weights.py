@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import KiecError
+from .errors import KiecError, is_int
 from .gguf_meta import open_gguf
 from .model import ArchConfig, read_json_object
 
@@ -116,7 +116,7 @@ def _header_entry(path: str, name: str, info, start: int, size: int):
 
 def _count(n) -> bool:
     """A JSON non-negative integer (bool is an int to Python, but not a count)."""
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+    return is_int(n) and n >= 0
 
 
 def read_folder(folder: str) -> WeightStore:

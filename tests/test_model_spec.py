@@ -261,6 +261,14 @@ def test_bad_float_and_rope_config_values(tiny_llama, key, value, field, shown):
     assert str(err).startswith(f"{field}: got ")
 
 
+@pytest.mark.parametrize("name, key, value", [("tiny-mistral", "sliding_window", True),
+                                              ("tiny-mistral", "sliding_window", 16.0)])
+def test_a_window_given_as_true_or_a_float_is_refused(tiny_llama, name, key, value):
+    """JSON's true is an int to Python: a window of true was read as a window of one position."""
+    err = _error(_spec_dict(tiny_llama, config=preset(name, **{key: value})))
+    assert err.field == f"config.{key}" and err.value is value
+
+
 @pytest.mark.parametrize("key, value", [("rope_scaling", LLAMA3), ("rope_scaling", {"type": "linear", "factor": 2}),
                                         ("rope_parameters", dict(LLAMA3, rope_theta=500000.0)),
                                         ("rope_scaling", None), ("rms_norm_eps", 1e-6), ("rope_theta", 10000)])

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import KiecError
+from ..errors import KiecError, is_int
 from ..model import ModelSpec, rope_inv_freq
 from ..pipeline import build_graph
 
@@ -120,7 +120,7 @@ class TorchDecoder(torch.nn.Module):
     def resize_cache(self, max_seq: int) -> None:
         """A fresh zeroed cache of `max_seq` positions. Attention reads all of them (masked) every step,
         so the benchmark sizes the cache to the context it measures. Graphs captured before are stale."""
-        if isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq <= 0:
+        if not is_int(max_seq) or max_seq <= 0:
             raise KiecError("max_seq", max_seq, "a positive integer (cache positions)")
         layers, kv_heads, _, head_dim = self.cache_shape
         shape = (layers, kv_heads, max_seq, head_dim)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DeviceError, KiecError
+from ..errors import DeviceError, KiecError, is_int
 from ..model import ModelSpec
 
 PREFILL_KINDS = ("embed", "norm", "qkv", "rope_kv", "attention", "o", "gate_up", "down")   # kiec_prefill's order
@@ -72,7 +72,7 @@ def lane_devices(spec: ModelSpec, device: int = 0, devices=None) -> list:
     if devices is None:
         return [device] if spec.gpus == 1 else list(range(spec.gpus))
     devices = list(devices)
-    if len(devices) != spec.gpus or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in devices):
+    if len(devices) != spec.gpus or any(not is_int(d) or d < 0 for d in devices):
         raise KiecError("devices", devices, f"{spec.gpus} device id(s), one per launch (the model's gpus)")
     return devices
 

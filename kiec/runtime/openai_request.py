@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import KiecError, nearest
+from ..errors import KiecError, is_int, nearest
 from .chat import encode_chat
-from .sampling import SamplingParams, is_int
+from .sampling import SamplingParams
 
 # fields OpenAI clients send that change nothing here
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}

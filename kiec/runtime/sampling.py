@@ -15,18 +15,14 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from ..errors import KiecError
+from ..errors import KiecError, is_int, is_number
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
 
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _in_range(value, low, high, low_open=False) -> bool:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+    if not is_number(value) or math.isnan(value):
         return False
     return (low < value if low_open else low <= value) and value <= high
 

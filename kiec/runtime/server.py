@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ..errors import KiecError
+from ..errors import KiecError, is_int
 from .openai_request import ApiError, Served, parse_chat, parse_completion
 from .openai_response import Reply
 from .worker import EngineWorker, QueueFull
@@ -40,12 +40,12 @@ class ServeOptions:
     model_name: str | None = None    # the name clients send as `model`; the model's own by default
 
     def __post_init__(self):
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+        if not is_int(self.port) or not 0 <= self.port <= 65535:
             raise KiecError("port", self.port, "an integer in [0, 65535] (0: any free port)")
-        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
+        if not is_int(self.max_body_bytes) \
                 or self.max_body_bytes < 1024:
             raise KiecError("max_body_bytes", self.max_body_bytes, "an integer >= 1024")
-        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+        if not is_int(self.max_queue) or self.max_queue < 0:
             raise KiecError("max_queue", self.max_queue, "an integer >= 0 (requests that may wait for the engine)")
         if self.api_key is not None and not self.api_key.strip():
             raise KiecError("api_key", self.api_key, "a non-empty key, or none")
