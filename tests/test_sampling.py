@@ -139,10 +139,27 @@ def test_same_seed_same_draws_other_seed_other_draws():
     assert run(5) != run(6)
 
 
+def test_top_p_zero_keeps_the_most_probable_token_alone():
+    # OpenAI's range is [0, 1]: the smallest set whose mass reaches 0 is the top token
+    probs = Sampler(SamplingParams(temperature=1.0, top_p=0.0)).probabilities(LOGITS, [])
+    assert list(probs) == reference_distribution(LOGITS, 1.0, top_p=0.0)
+    assert probs[int(np.argmax(LOGITS))] == 1.0 and set(draw(SamplingParams(temperature=1.0, top_p=0.0), 50).nonzero()[0]) \
+        == {int(np.argmax(LOGITS))}
+
+
+def test_a_negative_seed_is_an_int64_seed():
+    # OpenAI's seed is an int64: -1 draws as 2**64 - 1 does, and again the same
+    def run(seed):
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
+        return [sampler.sample(LOGITS, [])[0] for _ in range(200)]
+    assert run(-1) == run(2 ** 64 - 1) == run(-1) != run(-2)
+
+
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("temperature", float("nan")), ("temperature", True), ("top_k", -1),
-    ("top_k", 2.5), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.1), ("repetition_penalty", 0.0),
-    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("seed", -1), ("seed", "7"), ("max_tokens", 0),
+    ("top_k", 2.5), ("top_p", -0.1), ("top_p", 1.5), ("min_p", 1.1), ("repetition_penalty", 0.0),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("seed", -2 ** 63 - 1), ("seed", 2 ** 64), ("seed", "7"),
+    ("max_tokens", 0),
     ("max_tokens", -5), ("stop", ("",)), ("stop", "END"), ("stop_token_ids", (-1,)), ("logprobs", 21),
     ("ignore_eos", "yes"),
 ])

@@ -3,6 +3,7 @@
 the engine run directly on the same model."""
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import re
@@ -13,6 +14,7 @@ import urllib.parse
 import openai
 import pytest
 
+from kiec.errors import DeviceError, KiecError
 from kiec.runtime.chat import encode_chat
 from kiec.runtime.sampling import SamplingParams
 from serving import TINY_NAME, ServerProcess, write_tiny_chat_model
@@ -201,7 +203,7 @@ BAD_BODIES = [
     ("/v1/completions", b'{"model": "../../etc/passwd", "prompt": "hi"}', 404, "model", "model_not_found"),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": -1}', 400, "max_tokens", None),
     ("/v1/completions", b'{"prompt": "hi", "temperature": "hot"}', 400, "temperature", None),
-    ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', 400, "top_p", None),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": 1.5}', 400, "top_p", None),
     ("/v1/completions", b'{"prompt": "hi", "n": 2}', 400, "n", None),
     ("/v1/completions", b'{"prompt": "hi", "logprobs": 50}', 400, "logprobs", None),
     ("/v1/completions", b'{"prompt": [1, 2, 99999999]}', 400, "prompt", None),
@@ -214,6 +216,9 @@ BAD_BODIES = [
     ("/v1/completions", b'{"prompt": "hi", "stop": ["ok", ""]}', 400, "stop", None),
     ("/v1/chat/completions", b'{"messages": []}', 400, "messages", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages[0].role", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": ["user"], "content": "hi"}]}', 400, "messages[0].role", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "prediction": {"type": "content", '
+     b'"content": "hi"}}', 400, "prediction", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', 400,
      "top_logprobs", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\udc00"}]}', 400,
@@ -269,35 +274,121 @@ def test_a_tiny_repetition_penalty_keeps_the_draw_finite(client):
         assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_a_stream_whose_engine_fails_ends_with_an_error_event_and_done(engine):
+class FailingJob:
+    """A job whose engine raises `error` before its first token."""
+    stats = None
+
+    def __init__(self, error):
+        self.error, self.cancelled = error, threading.Event()
+
+    async def tokens(self):
+        raise self.error
+        yield
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+async def _stay():
+    await asyncio.sleep(3600)               # the client stays
+
+
+# an engine's failures as the client sees them: the GPU's (the kernel stopped itself) and the engine's
+# own are the server's (500: the client may retry), a KiecError about the request is the client's (400)
+ENGINE_FAILURES = [(ValueError("the engine broke"), 500, "server_error"),
+                   (DeviceError("kernel", "a counter wait timed out", "a launch that completes"), 500, "server_error"),
+                   (KiecError("max_tokens", 0, "a positive count"), 400, "invalid_request_error")]
+
+
+@pytest.mark.parametrize("error, status, kind", ENGINE_FAILURES, ids=lambda v: type(v).__name__)
+def test_a_stream_whose_engine_fails_ends_with_an_error_event_and_done(engine, error, status, kind):
     """Headers are sent before the engine runs, so its failure must travel as an event."""
-    import asyncio
     from kiec.runtime.openai_response import Reply
     from kiec.runtime.server import EventStream
-
-    class FailingJob:
-        stats = None
-        cancelled = threading.Event()
-
-        async def tokens(self):
-            raise ValueError("the engine broke")
-            yield
-
-        def cancel(self):
-            self.cancelled.set()
-    sent = []
-
-    async def receive():
-        await asyncio.sleep(3600)           # the client stays
+    sent, logged = [], []
 
     async def send(message):
         sent.append(message)
-    stream = EventStream(FailingJob(), Reply("completion", TINY_NAME, engine.tokenizer, False), False, lambda: None)
-    asyncio.run(stream({}, receive, send))
+    stream = EventStream(FailingJob(error), Reply("completion", TINY_NAME, engine.tokenizer, False), False,
+                         lambda *how: logged.append(how))
+    asyncio.run(stream({}, _stay, send))
     assert sent[0]["status"] == 200 and sent[-1]["more_body"] is False
     events = b"".join(m.get("body", b"") for m in sent[1:]).decode().split("\n\n")[:-1]
-    assert json.loads(events[0][len("data: "):])["error"]["type"] == "server_error"
+    assert json.loads(events[0][len("data: "):])["error"]["type"] == kind
     assert events[-1] == "data: [DONE]"
+    assert logged == [(200, True)]          # the log line: the status sent, and failed (not cancelled)
+
+
+@pytest.mark.parametrize("error, status, kind", ENGINE_FAILURES, ids=lambda v: type(v).__name__)
+def test_an_answer_whose_engine_fails_is_an_error_of_the_right_status(engine, error, status, kind):
+    from kiec.runtime.openai_request import ApiError
+    from kiec.runtime.openai_response import Reply
+    from kiec.runtime.server import _collect
+    logged = []
+    with pytest.raises(ApiError if isinstance(error, KiecError) else type(error)) as err:
+        asyncio.run(_collect(FailingJob(error), Reply("completion", TINY_NAME, engine.tokenizer, False), _stay,
+                             lambda *how: logged.append(how)))
+    if isinstance(error, KiecError):
+        assert (err.value.status, err.value.kind) == (status, kind)
+    assert logged == [(status, True)]
+
+
+def test_the_worker_logs_a_gpu_failure_and_not_a_bad_request(caplog):
+    from kiec.runtime.sampling import SamplingParams as Params
+    from kiec.runtime.worker import EngineWorker
+
+    class FailingEngine:
+        last_stats = None
+
+        def __init__(self, error):
+            self.error = error
+
+        def generate(self, prompt, params):
+            raise self.error
+            yield
+
+    async def run(error):
+        worker = EngineWorker(FailingEngine(error), 4)
+        job = worker.submit([1, 2], Params())
+        with pytest.raises(type(error)):
+            async for _ in job.tokens():
+                pass
+        worker.stop()
+    for error, status, _ in ENGINE_FAILURES[1:]:
+        caplog.clear()
+        asyncio.run(run(error))
+        assert ("engine failed" in caplog.text) == (status == 500), (error, caplog.text)
+
+
+def test_a_body_cut_short_by_its_client_is_a_plain_error():
+    from starlette.requests import ClientDisconnect
+    from kiec.runtime.openai_request import ApiError
+    from kiec.runtime.server import _read_body
+
+    class Leaving:
+        headers = {"content-length": "100"}
+
+        async def stream(self):
+            yield b"{}"
+            raise ClientDisconnect()
+    with pytest.raises(ApiError, match="closed the connection"):
+        asyncio.run(_read_body(Leaving(), 1000))
+
+
+def test_the_address_printed_is_a_url_for_ipv6_too():
+    from kiec.runtime.server import base_url
+    assert base_url("127.0.0.1", 8000) == "http://127.0.0.1:8000/v1"
+    assert base_url("::1", 8000) == "http://[::1]:8000/v1"
+
+
+def test_fields_the_sdk_sends_that_change_nothing_are_accepted(client, engine):
+    """Identifiers and cache hints are ignored; fields kiec cannot honour pass when null, as sent unused."""
+    want, _, _ = expected(engine, chat_ids(engine, "Hi"), max_tokens=4)
+    got = client.chat.completions.create(model=TINY_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                         temperature=0, extra_body={"prompt_cache_key": "abc", "safety_identifier": "u1",
+                                                                    "prompt_cache_retention": "24h", "prediction": None,
+                                                                    "audio": None, "modalities": []})
+    assert got.choices[0].message.content == want
 
 
 def test_unknown_field_error_suggests_the_near_name(server):
@@ -318,6 +409,8 @@ def test_api_key_is_required(server, client):
     for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         status, _, answer = raw(server, "GET", "/v1/models", headers=headers)
         assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+    for scheme in ("Bearer", "bearer", "BEARER"):          # RFC 7235: the scheme is case-insensitive
+        assert raw(server, "GET", "/v1/models", headers={"Authorization": f"{scheme} {KEY}"})[0] == 200
     status, _, _ = raw(server, "POST", "/v1/completions", b'{"prompt": "hi"}', {"Authorization": "Bearer x"})
     assert status == 401
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)

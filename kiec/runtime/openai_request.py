@@ -14,7 +14,11 @@ from .chat import encode_chat
 from .sampling import SamplingParams
 
 # fields OpenAI clients send that change nothing here
-IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
+           "prompt_cache_key", "prompt_cache_retention"}
+# fields of OpenAI's API that kiec cannot honour: accepted as null or empty (as clients send them unused)
+UNSUPPORTED = {"modalities", "audio", "prediction", "reasoning_effort", "verbosity", "functions", "function_call",
+               "web_search_options"}
 SAMPLING = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos"}
 COMMON = {"model", "stream", "stream_options", "n", "logit_bias"} | SAMPLING | IGNORED
@@ -113,6 +117,10 @@ def _check_common(body, known: set, served: Served) -> None:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body: got {type(body).__name__}; expected a JSON object")
     for name in body:
+        if name in UNSUPPORTED:
+            if body[name] not in EMPTY:
+                raise invalid(name, body[name], f"null or absent: kiec does not support {name}")
+            continue
         if name not in known:
             hint = nearest(name, known)
             raise ApiError(400, f"{name}: unknown field; expected one of {', '.join(sorted(known))}"
@@ -197,7 +205,7 @@ def _messages(messages) -> list:
             if m[key] not in EMPTY:
                 raise invalid(f"{where}.{key}", m[key], "null or empty: kiec reads role, content and name only "
                               "(tool calls are not supported)")
-        if m.get("role") not in ROLES:
+        if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise invalid(f"{where}.role", m.get("role"), " / ".join(ROLES))
         out.append({"role": ROLES[m["role"]], "content": _content(m.get("content"), f"{where}.content")})
     return out

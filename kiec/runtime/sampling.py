@@ -54,8 +54,8 @@ class SamplingParams:
             bad("temperature", "a number in [0, 100] (0: greedy)")
         if not is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "an integer >= 0 (0: off)")
-        if not _in_range(self.top_p, 0, 1, low_open=True):
-            bad("top_p", "a number in (0, 1]")
+        if not _in_range(self.top_p, 0, 1):
+            bad("top_p", "a number in [0, 1] (0 keeps the most probable token alone)")
         if not _in_range(self.min_p, 0, 1):
             bad("min_p", "a number in [0, 1]")
         if not _in_range(self.repetition_penalty, 0, 10, low_open=True):
@@ -63,8 +63,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not _in_range(getattr(self, name), -2, 2):
                 bad(name, "a number in [-2, 2]")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2 ** 64):
-            bad("seed", "an integer in [0, 2**64) or null")
+        if self.seed is not None and (not is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64):
+            bad("seed", "an integer in [-2**63, 2**64) or null")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "a positive integer")
         if (not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS
@@ -97,7 +97,7 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, eos_ids=()):
         self.params = params
-        seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
+        seed = params.seed % 2 ** 64 if params.seed is not None else np.random.SeedSequence().entropy
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.generated: list[int] = []

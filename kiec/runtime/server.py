@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ..errors import KiecError, is_int
+from ..errors import DeviceError, KiecError, is_int
 from .openai_request import ApiError, Served, parse_chat, parse_completion
 from .openai_response import Reply
 from .worker import EngineWorker, QueueFull
@@ -110,7 +110,7 @@ class OpenAIRoutes:
                 raise ApiError(503, f"the server is busy: {self.options.max_queue} requests already wait for "
                                "the engine (--max-queue); retry later", None, "queue_full", "server_error") from None
             reply = Reply(gen.kind, self.name, self.engine.tokenizer, gen.params.logprobs is not None)
-            done = lambda: _log_request(request, job, reply)   # noqa: E731
+            done = lambda status, failed: _log_request(request, job, reply, status, failed)   # noqa: E731
             if gen.stream:
                 return EventStream(job, reply, gen.include_usage, done)
             return _json(await _collect(job, reply, request.receive, done))
@@ -150,8 +150,8 @@ def _error(err: ApiError):
 def _authorize(request, key: str | None) -> None:
     if key is None:
         return
-    given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):   # RFC 7235: any case
         raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                        None, "invalid_api_key")
 
@@ -163,11 +163,15 @@ async def _read_body(request, limit: int) -> bytes:
                        "request_too_large")
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise too_big
+    from starlette.requests import ClientDisconnect
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_big
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+    except ClientDisconnect:         # nobody is left to answer: one line in the log, no traceback
+        raise ApiError(400, "the client closed the connection before sending its whole body") from None
     return bytes(body)
 
 
@@ -187,18 +191,32 @@ async def _watch_disconnect(receive, job) -> None:
     job.cancel()
 
 
+def _engine_error(err: KiecError) -> ApiError:
+    """A generation's error as the client gets it: the request's fault (400, naming the field), or the
+    GPU's (500: a kernel that stopped itself is no reason for the client not to retry)."""
+    if isinstance(err, DeviceError):
+        return ApiError(500, f"the GPU failed: {err}", kind="server_error")
+    return ApiError(400, str(err), err.field)
+
+
 async def _collect(job, reply: Reply, receive, done) -> dict:
     watcher = asyncio.create_task(_watch_disconnect(receive, job))
+    status, failed = 200, False
     try:
         async for token in job.tokens():
             reply.add(token)
     except KiecError as err:
-        raise ApiError(400, str(err), err.field) from None
+        error = _engine_error(err)
+        status, failed = error.status, True
+        raise error from None
+    except Exception:                # the engine failed (the worker logged it): the app answers 500
+        status, failed = 500, True
+        raise
     finally:
         watcher.cancel()
         if reply.finish_reason is None:
             job.cancel()
-        done()
+        done(status, failed)
     return reply.body(job.stats)
 
 
@@ -211,6 +229,7 @@ class EventStream:
 
     async def __call__(self, scope, receive, send) -> None:
         watcher = asyncio.create_task(_watch_disconnect(receive, self.job))
+        failed = False
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
@@ -224,10 +243,12 @@ class EventStream:
                         return
                     await send(_event(self.reply.add(token)))
             except KiecError as err:     # headers are gone: the error travels as an event
-                await send(_event(ApiError(400, str(err), err.field).body()))
+                failed = True
+                await send(_event(_engine_error(err).body()))
             except OSError:
                 raise
             except Exception as err:     # the engine failed (the worker logged it): an event too
+                failed = True
                 await send(_event(ApiError(500, f"internal error: {type(err).__name__}", kind="server_error").body()))
             if self.include_usage:
                 await send(_event(self.reply.usage_chunk(self.job.stats)))
@@ -238,7 +259,7 @@ class EventStream:
             watcher.cancel()
             if self.reply.finish_reason is None:
                 self.job.cancel()
-            self.done()
+            self.done(200, failed)      # the status went out with the headers
 
 
 def _event(data: dict) -> dict:
@@ -246,15 +267,15 @@ def _event(data: dict) -> dict:
     return {"type": "http.response.body", "body": body, "more_body": True}
 
 
-def _log_request(request, job, reply: Reply) -> None:
+def _log_request(request, job, reply: Reply, status: int, failed: bool) -> None:
     s = job.stats
-    outcome = reply.finish_reason or ("cancelled" if job.cancelled.is_set() else "failed")
+    outcome = reply.finish_reason or ("failed" if failed else "cancelled")
     if s is None:
-        log.info("%s %s 200 %s %s: queued %.0f ms", request.method, request.url.path, reply.id, outcome,
+        log.info("%s %s %d %s %s: queued %.0f ms", request.method, request.url.path, status, reply.id, outcome,
                  job.queued_s * 1e3)
         return
-    log.info("%s %s 200 %s %s: %d prompt tokens (%d cached), %d completion tokens, queued %.0f ms, "
-             "first token %.0f ms, %.1f tok/s decode, %.2f s", request.method, request.url.path, reply.id, outcome,
+    log.info("%s %s %d %s %s: %d prompt tokens (%d cached), %d completion tokens, queued %.0f ms, "
+             "first token %.0f ms, %.1f tok/s decode, %.2f s", request.method, request.url.path, status, reply.id, outcome,
              s.prompt_tokens, s.cached_tokens, s.completion_tokens, job.queued_s * 1e3, s.ttft_s * 1e3,
              s.decode_tok_s, s.total_s)
 
@@ -286,7 +307,7 @@ def serve(engine, options: ServeOptions, sock: socket.socket | None = None) -> i
         log.warning("listening on %s without an API key: anyone who can reach it can use the model "
                     "(set --api-key or KIEC_API_KEY)", options.host)
     # the address is the command's answer (port 0 picks one): it is printed even with --quiet
-    print(f"[kiec] serving {options.model_name or engine.spec.name} on http://{host}:{port}/v1 "
+    print(f"[kiec] serving {options.model_name or engine.spec.name} on {base_url(host, port)} "
           f"({engine.backend.name} backend, max_seq_len {engine.max_seq_len}, queue {options.max_queue})",
           file=sys.stderr, flush=True)
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:   # uvicorn's start-up chatter
@@ -295,6 +316,11 @@ def serve(engine, options: ServeOptions, sock: socket.socket | None = None) -> i
                             lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def base_url(host: str, port: int) -> str:
+    """The API's root URL on host:port; an IPv6 address goes in brackets."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
 
 
 def _is_loopback(host: str) -> bool:
