@@ -127,7 +127,7 @@ def load_spec(source, overrides: dict | None = None) -> ModelSpec:
     if not path.exists():
         raise KiecError("model", text, "a model.json, a model folder, a GGUF file or one of "
                         + ", ".join(builtin_models()), "no such file")
-    if path.is_dir() or path.suffix == ".gguf":
+    if path.is_dir() or path.suffix.lower() in (".gguf", ".safetensors"):
         # absolute: a relative one would be joined again to the base below (the folder, or the file's folder)
         raw = {"weights": str(path.resolve())}
     else:
@@ -158,15 +158,18 @@ def spec_from_dict(raw: dict, base: Path, origin: str) -> ModelSpec:
         raise KiecError("weights", None, SPEC_KEYS["weights"], "the key is missing")
     weights = _existing_path("weights", raw["weights"], base)
     hf_config, default_tokenizer = _find_config(raw, weights, base)
-    arch = raw.get("architecture") or MODEL_TYPE_TO_ARCH.get(hf_config.get("model_type", ""))
-    if arch not in ARCHITECTURES:
+    model_type = hf_config.get("model_type", "")
+    if not isinstance(model_type, str):
+        raise KiecError("config.model_type", model_type, "a string: one of " + ", ".join(MODEL_TYPE_TO_ARCH))
+    arch = raw.get("architecture") or MODEL_TYPE_TO_ARCH.get(model_type)
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise KiecError("architecture", arch if arch else hf_config.get("model_type"),
                         SPEC_KEYS["architecture"], nearest(str(arch), ARCHITECTURES))
     config = arch_config(arch, hf_config)
     tokenizer = _existing_path("tokenizer", raw["tokenizer"], base) if "tokenizer" in raw else default_tokenizer
     default_lanes = config.lanes
     spec = ModelSpec(
-        name=str(raw.get("name") or Path(weights).stem),
+        name=str(raw.get("name") or (Path(weights).name if Path(weights).is_dir() else Path(weights).stem)),
         config=config,
         weights=weights,
         tokenizer=tokenizer,
@@ -178,16 +181,17 @@ def spec_from_dict(raw: dict, base: Path, origin: str) -> ModelSpec:
         dtype=raw.get("dtype", "bf16"),
         source=origin,
     )
-    _check_spec(spec)
+    # a laneformer's lane count is its checkpoint's unless model.json sets it: errors name where it came from
+    _check_spec(spec, "lanes" if "lanes" in raw or config.arch != "laneformer" else "config.num_lanes")
     return spec
 
 
-def _check_spec(spec: ModelSpec) -> None:
+def _check_spec(spec: ModelSpec, lanes_field: str = "lanes") -> None:
     from .targets import TARGETS
     cfg = spec.config
-    if spec.target not in TARGETS:
+    if not isinstance(spec.target, str) or spec.target not in TARGETS:
         raise KiecError("target", spec.target, SPEC_KEYS["target"], nearest(str(spec.target), TARGETS))
-    if spec.dtype not in DTYPES:
+    if not isinstance(spec.dtype, str) or spec.dtype not in DTYPES:
         raise KiecError("dtype", spec.dtype, SPEC_KEYS["dtype"], nearest(str(spec.dtype), DTYPES))
     _positive_int("lanes", spec.lanes)
     _positive_int("gpus", spec.gpus)
@@ -199,10 +203,10 @@ def _check_spec(spec: ModelSpec) -> None:
         for what, count in (("num_attention_heads", cfg.heads), ("num_key_value_heads", cfg.kv_heads),
                             ("intermediate_size", cfg.ffn)):
             if count % spec.lanes:
-                raise KiecError("lanes", spec.lanes, f"a divisor of {what} ({count})",
+                raise KiecError(lanes_field, spec.lanes, f"a divisor of {what} ({count})",
                                 "each lane owns an equal share")
         if cfg.lm_head_type == "vocab_parallel" and cfg.vocab % spec.lanes:
-            raise KiecError("lanes", spec.lanes, f"a divisor of vocab_size ({cfg.vocab}) for a vocab_parallel head")
+            raise KiecError(lanes_field, spec.lanes, f"a divisor of vocab_size ({cfg.vocab}) for a vocab_parallel head")
     if spec.dtp_delay is not None:
         if not is_int(spec.dtp_delay) or spec.dtp_delay < 1:
             raise KiecError("dtp_delay", spec.dtp_delay, SPEC_KEYS["dtp_delay"])
@@ -250,8 +254,10 @@ def _find_config(raw: dict, weights: str, base: Path) -> tuple[dict, str]:
     folder = wpath if wpath.is_dir() else wpath.parent
     if (folder / "config.json").exists():
         return read_json_object("config", str(folder / "config.json")), default_tok
+    ggufs = sorted(folder.glob("*.gguf")) + sorted(folder.glob("*.GGUF"))
     raise KiecError("config", None, SPEC_KEYS["config"],
-                    f"not given, and no config.json beside the weights in {folder}")
+                    f"not given, and no config.json beside the weights in {folder}"
+                    + (f"; for the GGUF there, name the file itself: {ggufs[0]}" if ggufs else ""))
 
 
 def read_json_object(name: str, path: str) -> dict:
@@ -331,7 +337,7 @@ def arch_config(arch: str, hf: dict) -> ArchConfig:
     window, window_layers = _sliding(arch, hf, layers)
     return ArchConfig(**common, rope_theta=theta, rope_pairs="half", rope_scaling=rope_scaling,
                       norm_eps=get.float("rms_norm_eps", 1e-6),
-                      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                      tie_embeddings=get.flag("tie_word_embeddings", False),
                       qkv_bias=arch == "qwen2", sliding_window=window, window_layers=window_layers)
 
 
@@ -340,12 +346,14 @@ def _sliding(arch: str, hf: dict, layers: int) -> tuple[int, tuple]:
     types = hf.get("layer_types")
     if arch == "llama" or not window:
         return 0, ()
+    if arch == "qwen2" and not hf.get("use_sliding_window", False):    # transformers: no window at all then
+        return 0, ()
     if isinstance(types, list) and len(types) == layers:
         flags = tuple(t == "sliding_attention" for t in types)
     elif arch == "qwen2":
-        if not hf.get("use_sliding_window", False):
-            return 0, ()
         start = hf.get("max_window_layers", layers)
+        if not is_int(start) or start < 0:
+            raise KiecError("config.max_window_layers", start, "a layer count (an integer, 0 or more)")
         flags = tuple(i >= start for i in range(layers))
     else:
         flags = (True,) * layers
@@ -397,7 +405,8 @@ class _Getter:
         self.hf = hf
 
     def int(self, key: str, default=None) -> int:
-        value = self.hf.get(key, default)
+        value = self.hf.get(key)
+        value = default if value is None else value        # null is the default, as transformers reads it
         if value is None:
             raise KiecError(f"config.{key}", None, "a positive integer", "the key is missing")
         if not is_int(value) or value <= 0:

@@ -181,7 +181,7 @@ def test_vocab_parallel_head_needs_lanes_to_divide_vocab(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes(b"")
     err = _error(str(tmp_path))
-    assert err.field == "lanes" and "vocab_size (255)" in err.expected
+    assert err.field == "config.num_lanes" and "vocab_size (255)" in err.expected     # the checkpoint's count
 
 
 @pytest.mark.parametrize("value", [0, -1, "128", 1.5, True, None])
@@ -367,9 +367,87 @@ def test_cli_bad_values(tiny_llama, tmp_path, command):
     _assert_one_error_line(_cli(command, str(bad)), "valid JSON")
 
 
-def test_cli_run_truncated_checkpoint(tiny_llama, tmp_path):
-    shutil.copy(tiny_llama / "config.json", tmp_path)
-    data = (tiny_llama / "model.safetensors").read_bytes()
+def test_cli_run_truncated_checkpoint(tmp_path, smollm2_gguf):
+    # with a tokenizer: `run` loads it before the weights, so that a missing one fails first
+    from serving import write_tiny_chat_model
+    model = write_tiny_chat_model(tmp_path, smollm2_gguf)
+    data = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
-    _assert_one_error_line(_cli("run", str(tmp_path), "--backend", "reference", "--max-tokens", "2"),
+    _assert_one_error_line(_cli("run", str(model), "--backend", "reference", "--max-tokens", "2", "--quiet"),
                            "weights", "truncated")
+
+
+def test_cli_run_without_a_tokenizer_says_so_before_reading_the_weights(tiny_llama, tmp_path):
+    shutil.copy(tiny_llama / "config.json", tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not a checkpoint")      # never read
+    _assert_one_error_line(_cli("run", str(tmp_path), "--backend", "reference", "--max-tokens", "2"),
+                           "tokenizer: got", "no tokenizer.json found")
+
+
+def _folder_with_config(tmp_path, name: str, base: str = "tiny-llama", **changes):
+    """A copy-free model folder: a config.json (preset with changes) and no weights read (load_spec only)."""
+    folder = tmp_path / name
+    folder.mkdir()
+    cfg = preset(base, **{k: v for k, v in changes.items() if v is not ...})
+    for key in [k for k, v in changes.items() if v is ...]:
+        cfg.pop(key, None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_a_folder_s_whole_name_is_the_model_s(tmp_path):
+    # Path.stem would cut at the first dot: "Llama-3" would be served, and clients sending the real name 404
+    assert load_spec(str(_folder_with_config(tmp_path, "Llama-3.2-1B-Instruct"))).name == "Llama-3.2-1B-Instruct"
+
+
+@pytest.mark.parametrize("key", ["head_dim", "num_key_value_heads"])
+def test_a_null_size_is_its_default(tmp_path, key):
+    # as transformers reads them (Mistral-7B-Instruct-v0.3 ships "head_dim": null)
+    plain = load_spec(str(_folder_with_config(tmp_path, "plain", **{key: ...}))).config
+    null = load_spec(str(_folder_with_config(tmp_path, "null", **{key: None}))).config
+    assert null == plain
+
+
+def test_tie_word_embeddings_is_a_flag_not_a_truthy_string(tmp_path):
+    err = _error(str(_folder_with_config(tmp_path, "t", tie_word_embeddings="false")))
+    assert err.field == "config.tie_word_embeddings"
+
+
+@pytest.mark.parametrize("where, field", [({"target": ["cuda:sm_90"]}, "target"), ({"dtype": ["bf16"]}, "dtype"),
+                                          ({"architecture": ["llama"]}, "architecture")])
+def test_a_list_where_a_name_goes_is_an_error_naming_the_field(tmp_path, where, field):
+    assert _error(_spec_dict(_folder_with_config(tmp_path, "t"), **where)).field == field
+
+
+def test_a_model_type_that_is_not_a_string_is_named(tmp_path):
+    assert _error(str(_folder_with_config(tmp_path, "t", model_type=["llama"]))).field == "config.model_type"
+
+
+def test_qwen2_without_use_sliding_window_has_no_window_whatever_its_layer_types(tmp_path):
+    layers = preset("tiny-qwen2")["num_hidden_layers"]
+    off = _folder_with_config(tmp_path, "off", "tiny-qwen2", use_sliding_window=False, sliding_window=8,
+                              layer_types=["sliding_attention"] * layers)
+    assert load_spec(str(off)).config.sliding_window == 0
+    bad = _folder_with_config(tmp_path, "bad", "tiny-qwen2", use_sliding_window=True, sliding_window=8,
+                              max_window_layers="1", layer_types=...)
+    assert _error(str(bad)).field == "config.max_window_layers"
+
+
+def test_a_safetensors_file_is_a_model_argument(tiny_llama):
+    spec = load_spec(str(tiny_llama / "model.safetensors"))
+    assert spec.weights == str((tiny_llama / "model.safetensors").resolve()) and spec.name == "model"
+
+
+def test_a_folder_holding_only_a_gguf_points_at_it(tmp_path):
+    folder = tmp_path / "g"
+    folder.mkdir()
+    (folder / "m.gguf").write_bytes(b"")
+    err = _error(str(folder))
+    assert err.field == "config" and str(folder / "m.gguf") in str(err)
+
+
+def test_a_laneformer_s_lane_count_is_named_where_it_came_from(tmp_path):
+    # 32 heads over the checkpoint's 3 lanes: the user set no `lanes`, so the error names num_lanes
+    folder = _folder_with_config(tmp_path, "lf", "laneformer-2b", num_lanes=3)
+    assert _error(str(folder)).field == "config.num_lanes"
+    assert _error(_spec_dict(folder, lanes=3)).field == "lanes"

@@ -71,31 +71,39 @@ class ReferenceBackend:
         return np.asarray(self.model.forward(tokens)[-1], dtype=np.float32)
 
 
-def make_backend(spec: ModelSpec, backend: str = "auto", **options):
+def backend_kind(backend: str) -> str:
+    """'gpu' or 'reference' for a --backend value, refused at once where it cannot run here."""
+    from .gpu import gpu_available
     if backend == "auto":
-        from .gpu import gpu_available
-        backend = "gpu" if gpu_available() else "reference"
-    if backend == "reference":
+        return "gpu" if gpu_available() else "reference"
+    if backend == "gpu" and not gpu_available():     # before the build, which takes a while and then fails
+        raise KiecError("backend", "gpu", "a machine with an NVIDIA GPU (nvidia-smi) and nvcc",
+                        "--backend reference runs the numpy reference")
+    if backend not in ("gpu", "reference"):
+        raise KiecError("backend", backend, "'auto', 'gpu' or 'reference'")
+    return backend
+
+
+def make_backend(spec: ModelSpec, kind: str, **options):
+    """The backend of a kind backend_kind gave."""
+    if kind == "reference":
         return ReferenceBackend(spec, **options)
-    if backend == "gpu":
-        from .gpu import GpuBackend, gpu_available
-        if not gpu_available():     # before the build, which takes a while and then fails on the launch
-            raise KiecError("backend", "gpu", "a machine with an NVIDIA GPU (nvidia-smi) and nvcc",
-                            "--backend reference runs the numpy reference")
-        return GpuBackend(spec, **options)
-    raise KiecError("backend", backend, "'auto', 'gpu' or 'reference'")
+    from .gpu import GpuBackend
+    return GpuBackend(spec, **options)
 
 
 class Engine:
     def __init__(self, spec: ModelSpec, backend="auto", tokenizer=None, **options):
         from .tokenizer import load_tokenizer
         self.spec = spec
-        self.backend = make_backend(spec, backend, **options) if isinstance(backend, str) else backend
-        if tokenizer is None:
+        if isinstance(backend, str):
+            backend = backend_kind(backend)          # a GPU asked for where there is none: said at once
+        if tokenizer is None:        # then: a missing tokenizer fails before minutes of building and uploading
             report(options.get("progress"), "tokenizer", 0, 1)
             tokenizer = load_tokenizer(spec.tokenizer)
             report(options.get("progress"), "tokenizer", 1, 1)
         self.tokenizer = tokenizer
+        self.backend = make_backend(spec, backend, **options) if isinstance(backend, str) else backend
         self.cached: list[int] = []      # the tokens whose K/V the backend holds, in order
         self.last_stats = Stats()
 
