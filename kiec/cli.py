@@ -36,8 +36,10 @@ def cmd_run(args) -> int:
         print_logprobs(engine.tokenizer, tokens, sys.stderr)
     s = engine.last_stats
     if not args.quiet:
+        full = tokens and tokens[-1].finish_reason == "length" and s.completion_tokens < params.max_tokens
         print(f"[kiec] {s.completion_tokens} tokens, first after {s.ttft_s * 1e3:.0f} ms, "
-              f"{s.decode_tok_s:.1f} tok/s decode", file=sys.stderr)
+              f"{s.decode_tok_s:.1f} tok/s decode" + (f"; stopped with the context full (max_seq_len "
+              f"{engine.max_seq_len}: --max-seq-len)" if full else ""), file=sys.stderr)
     return 0
 
 
@@ -47,9 +49,11 @@ def cmd_inspect(args) -> int:
     context = min(128, spec.max_seq_len) if args.context is None else args.context
     if not 1 <= context <= spec.max_seq_len:
         raise KiecError("--context", context, f"a context length in [1, {spec.max_seq_len}] (max_seq_len)")
+    if args.dtp_error:
+        from .dtp_error import check_dtp_error_spec, dtp_error
+        check_dtp_error_spec(spec, args.tokens)      # before the report: its error is the command's answer
     print(describe(spec, context=context))
     if args.dtp_error:
-        from .dtp_error import dtp_error
         print(dtp_error(spec, args.tokens).summary(spec))
     return 0
 

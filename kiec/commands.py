@@ -24,7 +24,8 @@ def register_serve(sub) -> None:
 
 def cmd_serve(args) -> int:
     from .cli_args import engine_from_args, spec_from_args
-    from .runtime.server import ServeOptions, bind, serve
+    from .runtime.server import ServeOptions, bind, check_serve_extra, serve
+    check_serve_extra()                           # before the model loads
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                            max_body_bytes=args.max_body_bytes, model_name=args.model_name)
     spec = spec_from_args(args)

@@ -33,10 +33,8 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def dtp_error(spec: ModelSpec, tokens: int = 32, seed: int = 0) -> DtpError:
-    from .pipeline import build_graph
-    from .reference.interpreter import Reference, reference_weights
-    from .weights import load_checkpoint
+def check_dtp_error_spec(spec: ModelSpec, tokens: int = 32) -> None:
+    """What dtp_error needs of the spec: a delay on a model not trained for it, over lanes."""
     if not spec.approximate:
         raise KiecError("dtp_delay", spec.dtp_delay, f"a delay d >= 1 on a model not trained with delay "
                         f"(got a {spec.config.arch} model{'' if spec.dtp_delay is None else ' trained for it'})")
@@ -44,6 +42,13 @@ def dtp_error(spec: ModelSpec, tokens: int = 32, seed: int = 0) -> DtpError:
         raise KiecError("lanes", spec.lanes, "at least 2 (past(d) exchanges partials between lanes)")
     if tokens < 1 or tokens > spec.max_seq_len:
         raise KiecError("--tokens", tokens, f"1 .. max_seq_len ({spec.max_seq_len})")
+
+
+def dtp_error(spec: ModelSpec, tokens: int = 32, seed: int = 0) -> DtpError:
+    from .pipeline import build_graph
+    from .reference.interpreter import Reference, reference_weights
+    from .weights import load_checkpoint
+    check_dtp_error_spec(spec, tokens)
     ckpt = load_checkpoint(spec)
     ids = np.random.default_rng(seed).integers(spec.config.vocab, size=tokens)
     logits = []

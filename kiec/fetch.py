@@ -24,7 +24,8 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 
 
 def cache_dir() -> Path:
-    return writable_folder("KIEC_CACHE", os.environ.get("KIEC_CACHE", Path.home() / ".cache" / "kiec"))
+    # set but empty is unset, not the current folder
+    return writable_folder("KIEC_CACHE", os.environ.get("KIEC_CACHE") or Path.home() / ".cache" / "kiec")
 
 
 def sha256(path: Path) -> str:

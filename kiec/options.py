@@ -94,6 +94,8 @@ class CompileOptions:
             key, _, value = part.partition("=")
             if key not in CompileOptions.__dataclass_fields__:
                 raise KiecError("option", key, "one of " + ", ".join(CompileOptions.__dataclass_fields__))
+            if key in fields:
+                raise KiecError(f"option {key}", text, f"{key} given once")
             try:
                 fields[key] = int(value)
             except ValueError:

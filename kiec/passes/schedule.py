@@ -186,6 +186,10 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
         stages = _lm_head_passes(stages, warps, slot_bytes, ring_slots)
     scratch = max(_stage_scratch(stages, s, warps) for s in stages)
     slots = ring_slots(scratch)
+    if slots < 2 and options.slot_bytes:
+        fits = (target.smem_bytes - scratch - BARRIER_BYTES) // 2 // 1024 * 1024
+        raise KiecError("slot_bytes", options.slot_bytes, f"at most {fits} (two slots beside this model's {scratch} "
+                        f"bytes of scratch in {target.smem_bytes} bytes of shared memory on {target.name})")
     if slots < 2:
         widest = max(stages, key=lambda s: _stage_scratch(stages, s, warps))
         field = "intermediate_size" if widest.kind == "down" else "hidden_size"

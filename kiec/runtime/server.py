@@ -51,15 +51,25 @@ class ServeOptions:
             raise KiecError("api_key", self.api_key, "a non-empty key, or none")
 
 
+def check_serve_extra() -> None:
+    """The serve extra's packages are installed (a KiecError naming the missing one, else nothing)."""
+    import importlib.util
+    for package in ("starlette", "uvicorn"):
+        try:
+            found = importlib.util.find_spec(package) is not None
+        except (ImportError, ValueError):        # a package shadowed by a broken or None module
+            found = False
+        if not found:
+            raise KiecError("serve", f"{package} is not installed", "kiec's serve extra",
+                            "pip install 'kiec[serve]'")
+
+
 def create_app(engine, options: ServeOptions):
     """The Starlette app around `engine` (which it then owns: only its worker thread calls it)."""
-    try:
-        from starlette.applications import Starlette
-        from starlette.exceptions import HTTPException
-        from starlette.routing import Route
-    except ImportError:
-        raise KiecError("serve", "starlette is not installed", "kiec's serve extra",
-                        "pip install 'kiec[serve]'") from None
+    check_serve_extra()
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
     api = OpenAIRoutes(engine, options)
 
     @contextlib.asynccontextmanager
@@ -292,7 +302,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as err:
         sock.close()
-        raise KiecError("port", f"{host}:{port}", "an address this machine can listen on", str(err)) from None
+        raise KiecError("--host/--port", f"{host}:{port}", "an address this machine can listen on", str(err)) from None
     sock.listen(128)
     return sock
 
