@@ -97,7 +97,7 @@ class BenchModel:
         self.name, self.options, self.workdir = model, options, workdir
         self.preset = preset(model) if model in PRESETS and not Path(model).exists() else None
         if self.preset is None and not Path(model).expanduser().exists() and model not in builtin_models():
-            raise KiecError("model", model, "a model.json, a model folder, a GGUF file, "
+            raise KiecError("model", model, "a model.json, a model folder, a safetensors or GGUF file, "
                             + ", ".join(builtin_models()) + " or a synthetic preset (" + ", ".join(PRESETS) + ")",
                             nearest(model, list(PRESETS) + list(builtin_models())))
         if self.preset is not None:
@@ -284,7 +284,7 @@ def register_bench(sub) -> None:
     from .synthetic import PRESETS
     d = BenchOptions()
     p = sub.add_parser("bench", help="kiec's ms/token against the read-bandwidth floor and the torch / HF peers (GPU)")
-    p.add_argument("model", help="a model.json, a model folder, a GGUF file, 'smollm2', or a synthetic preset with "
+    p.add_argument("model", help="a model.json, a model folder, a safetensors or GGUF file, 'smollm2', or a synthetic preset with "
                                  "random weights: " + ", ".join(PRESETS))
     p.add_argument("--contexts", default=",".join(map(str, d.contexts)),
                    help="context lengths to time at, comma-separated (default: %(default)s)")

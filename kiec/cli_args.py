@@ -34,7 +34,7 @@ def spec_from_args(args):
 def add_model_args(p, default="smollm2"):
     """The model argument and the spec overrides every model command takes."""
     p.add_argument("model", nargs="?", default=default,
-                   help="model.json, a model folder, a GGUF file, or 'smollm2' (the default)")
+                   help="model.json, a model folder, a safetensors or GGUF file, or 'smollm2' (the default)")
     p.add_argument("--max-seq-len", dest="max_seq_len", type=int)
     p.add_argument("--lanes", type=int)
     p.add_argument("--gpus", type=int)

@@ -125,7 +125,7 @@ def load_spec(source, overrides: dict | None = None) -> ModelSpec:
         return spec_from_dict(dict(builtin_models()[text](), **(overrides or {})), base=Path.cwd(), origin=text)
     path = Path(text).expanduser()
     if not path.exists():
-        raise KiecError("model", text, "a model.json, a model folder, a GGUF file or one of "
+        raise KiecError("model", text, "a model.json, a model folder, a safetensors or GGUF file or one of "
                         + ", ".join(builtin_models()), "no such file")
     if path.is_dir() or path.suffix.lower() in (".gguf", ".safetensors"):
         # absolute: a relative one would be joined again to the base below (the folder, or the file's folder)

@@ -246,7 +246,7 @@ def test_without_a_gpu_one_error_line():
     (["tiny-llama", "--contexts", "16,16", "--no-prefill"], "--contexts: got (16, 16); expected each context once"),
     (["tiny-llama", "--contexts", "16", "--prompts", "64,64"], "--prompts: got (64, 64); expected each prompt length once"),
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--seed", "-1"], "--seed: got -1; expected an integer >= 0"),
-    (["tiny-lama"], "model: got 'tiny-lama'; expected a model.json, a model folder, a GGUF file, smollm2 or a "
+    (["tiny-lama"], "model: got 'tiny-lama'; expected a model.json, a model folder, a safetensors or GGUF file, smollm2 or a "
                     "synthetic preset (llama-3.2-1b, "),
     (["laneformer-2b", "--contexts", "16"], "model: got 'laneformer-2b'; expected a llama, qwen2 or mistral model "
                                             "for the torch peers (pass --no-peers to time kiec alone)"),
