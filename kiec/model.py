@@ -127,7 +127,7 @@ def load_spec(source, overrides: dict | None = None) -> ModelSpec:
     if not path.exists():
         raise KiecError("model", text, "a model.json, a model folder, a safetensors or GGUF file or one of "
                         + ", ".join(builtin_models()), "no such file")
-    if path.is_dir() or path.suffix.lower() in (".gguf", ".safetensors"):
+    if path.is_dir() or path.suffix in (".gguf", ".safetensors"):
         # absolute: a relative one would be joined again to the base below (the folder, or the file's folder)
         raw = {"weights": str(path.resolve())}
     else:
@@ -254,7 +254,7 @@ def _find_config(raw: dict, weights: str, base: Path) -> tuple[dict, str]:
     folder = wpath if wpath.is_dir() else wpath.parent
     if (folder / "config.json").exists():
         return read_json_object("config", str(folder / "config.json")), default_tok
-    ggufs = sorted(folder.glob("*.gguf")) + sorted(folder.glob("*.GGUF"))
+    ggufs = sorted(folder.glob("*.gguf"))
     raise KiecError("config", None, SPEC_KEYS["config"],
                     f"not given, and no config.json beside the weights in {folder}"
                     + (f"; for the GGUF there, name the file itself: {ggufs[0]}" if ggufs else ""))
