@@ -32,14 +32,40 @@ def _cached_gguf_reader(path: str, size: int, mtime_ns: int):
 _REQUIRED = object()    # _meta_number's default for a key the config cannot do without
 _NUMBER = {int: "an integer", float: "a number"}
 
+# The GGUF architectures kiec reads, each with whether llama.cpp's converter (convert_hf_to_gguf.py)
+# reordered the rows of its attn_q / attn_k so that every RoPE pair is two adjacent rows. It does so
+# only for the architectures llama.cpp runs with adjacent-pair RoPE, and kiec.weights undoes it; the
+# others keep Hugging Face's rotate-half order, and undoing a reordering that was never done
+# scrambles Q and K (silently: the output is merely wrong).
+QK_REORDERED = {
+    # LlamaModel.modify_tensors permutes q_proj and k_proj, weights and biases. Mistral and
+    # Llama-3 checkpoints are written as "llama" too, by the same class.
+    "llama": True,
+    # Qwen2Model writes them as Hugging Face has them: llama.cpp runs qwen2 with rotate-half RoPE.
+    "qwen2": False,
+}
+# "mistral" was accepted once, and is not: no converter writes it (llama.cpp writes Mistral as
+# "llama") and nothing reads it (llama.cpp, and gguf-py, so transformers' GGUF loader, know no such
+# architecture), so whether its Q/K rows are reordered would be a guess, and a wrong guess is silent.
+_MISTRAL = ("llama.cpp writes Mistral checkpoints as 'llama', and whether a 'mistral' GGUF's Q/K rows "
+            "are reordered is not known: use the safetensors checkpoint with its config.json")
+
+
+def gguf_architecture(reader, path: str) -> str:
+    """The file's general.architecture, refused unless it is one kiec reads (QK_REORDERED)."""
+    field = reader.fields.get("general.architecture")
+    arch = _field(field) if field is not None else None
+    if not isinstance(arch, str) or arch not in QK_REORDERED:
+        raise KiecError("weights", f"{path} (general.architecture={arch!r})", "a llama or qwen2 GGUF",
+                        _MISTRAL if arch == "mistral" else "")
+    return arch
+
 
 def gguf_config(path: str) -> dict:
     """A Hugging Face-style config from a GGUF file's metadata."""
     reader = open_gguf(path)
     meta = {k: _field(f) for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise KiecError("weights", f"{path} (general.architecture={arch!r})", "a llama, qwen2 or mistral GGUF")
+    arch = gguf_architecture(reader, path)
     names = {t.name for t in reader.tensors}
 
     def key(k, kind=int, default=_REQUIRED):

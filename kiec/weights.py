@@ -2,7 +2,8 @@
 
 No torch at run time: safetensors are parsed here (header + memory map, bf16 through
 ml_dtypes); GGUF goes through the `gguf` package and is dequantized, with llama.cpp's
-Q/K row permutation undone so every weight has Hugging Face's layout. Checkpoint names
+Q/K row permutation undone where its converter applied it (the file's architecture says
+where), so every weight has Hugging Face's layout. Checkpoint names
 are mapped to kiec's canonical names (`layers.3.wq`, ...) and checked against the
 config: a missing, extra or misshapen tensor is one clear error.
 """
@@ -17,11 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from .errors import KiecError, is_int
-from .gguf_meta import open_gguf
+from .gguf_meta import QK_REORDERED, gguf_architecture, open_gguf
 from .model import ArchConfig, read_json_object
 
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 GGUF_NOT_WEIGHTS = ("I8", "I16", "I32", "I64", "F64")     # GGUF tensor types no weight of ours has
+GGUF_REORDERED = ("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")  # rows llama.cpp reorders
 IGNORED = ("rotary_emb.inv_freq", "masked_bias", ".attn.bias")
 
 
@@ -167,6 +169,8 @@ def _index_shards(index: Path) -> list:
 def read_gguf(path: str, cfg: ArchConfig) -> WeightStore:
     import gguf
     reader = open_gguf(path)
+    # the file's own architecture, not cfg.arch: a model.json may give a config beside any GGUF
+    reordered = QK_REORDERED[gguf_architecture(reader, path)]
     size = os.path.getsize(path)
     entries, loaders = {}, {}
     for t in reader.tensors:
@@ -185,7 +189,7 @@ def read_gguf(path: str, cfg: ArchConfig) -> WeightStore:
             except NotImplementedError as err:
                 raise KiecError(f"weights[{t.name}].dtype", t.tensor_type.name, "a type the gguf package dequantizes",
                                 str(err)) from None
-            if t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            if reordered and t.name.endswith(GGUF_REORDERED):
                 heads = cfg.heads if "attn_q" in t.name else cfg.kv_heads
                 array = _unpermute(array, heads)
             return array
@@ -194,7 +198,8 @@ def read_gguf(path: str, cfg: ArchConfig) -> WeightStore:
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (interleaved RoPE) back to rotate-half order."""
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE) back to rotate-half order; a bias
+    (one axis) the same way."""
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 

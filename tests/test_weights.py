@@ -37,6 +37,8 @@ GGUF_NAMES = {
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
 }
 
 
@@ -48,13 +50,18 @@ def _hf_names(layers: int) -> dict:
     return out
 
 
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=96, vocab_size=128, max_position_embeddings=128, tie_word_embeddings=False)
+
+
+def _small_model(family: str, seed: int, **changes):
+    from transformers import LlamaConfig, Qwen2Config
+    return hf_random_model({"llama": LlamaConfig, "qwen2": Qwen2Config}[family](**dict(SMALL, **changes)), seed=seed)
+
+
 @pytest.fixture(scope="module")
 def hf_llama():
-    from transformers import LlamaConfig
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=96, vocab_size=128, max_position_embeddings=128, rms_norm_eps=1e-5,
-                         tie_word_embeddings=False)
-    return hf_random_model(config, seed=5)
+    return _small_model("llama", 5, rms_norm_eps=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -325,21 +332,22 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, model, quantize=(), change=None, meta=None) -> None:
-    """A llama GGUF from a transformers model, as llama.cpp's converter lays it out. `quantize`:
-    GGUF names stored as Q8_0; `change(name, array) -> array | None` edits (None drops);
-    `meta`: metadata keys to overwrite, with a value of another type, or to drop (None)."""
+def write_gguf(path, model, quantize=(), change=None, meta=None, arch=None) -> None:
+    """A GGUF of architecture `arch` (the model's own by default) from a transformers model, as
+    llama.cpp's converter lays it out: Q/K rows (weights and biases) reordered for "llama" only.
+    `quantize`: GGUF names stored as Q8_0; `change(name, array) -> array | None` edits (None
+    drops); `meta`: metadata keys to overwrite, with a value of another type, or to drop (None)."""
     import gguf
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    keys = {  # what GGUFWriter's add_block_count() etc. write, by key
-        "llama.block_count": cfg.num_hidden_layers, "llama.context_length": cfg.max_position_embeddings,
-        "llama.embedding_length": cfg.hidden_size, "llama.feed_forward_length": cfg.intermediate_size,
-        "llama.attention.head_count": cfg.num_attention_heads,
-        "llama.attention.head_count_kv": cfg.num_key_value_heads,
-        "llama.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-        "llama.rope.freq_base": float(cfg.rope_parameters["rope_theta"]), "llama.vocab_size": cfg.vocab_size,
-    }
+    arch = arch or cfg.model_type
+    w = gguf.GGUFWriter(str(path), arch)
+    keys = {f"{arch}.{key}": value for key, value in {  # what GGUFWriter's add_block_count() etc. write
+        "block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
+        "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        "rope.freq_base": float(cfg.rope_parameters["rope_theta"]), "vocab_size": cfg.vocab_size,
+    }.items()}
     adders = {int: w.add_uint32, float: w.add_float32, str: w.add_string, list: w.add_array, bool: w.add_bool}
     for key, value in {**keys, **(meta or {})}.items():
         if value is not None:
@@ -348,9 +356,9 @@ def write_gguf(path, model, quantize=(), change=None, meta=None) -> None:
         layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
         short = hf_name.split(f"layers.{layer}.", 1)[1] if layer else hf_name
         name = f"blk.{layer}.{GGUF_NAMES[short]}" if layer else GGUF_NAMES[short]
-        if short == "self_attn.q_proj.weight":
+        if arch == "llama" and short.startswith("self_attn.q_proj."):
             array = _llama_cpp_permute(array, cfg.num_attention_heads)
-        elif short == "self_attn.k_proj.weight":
+        elif arch == "llama" and short.startswith("self_attn.k_proj."):
             array = _llama_cpp_permute(array, cfg.num_key_value_heads)
         if change is not None:
             array = change(name, array)
@@ -412,6 +420,70 @@ def test_gguf_logits_match_transformers(tiny_gguf):
     tokens = np.random.default_rng(2).integers(0, 128, 20)
     got = prompt_then_decode(reference(load_spec(str(tiny_gguf), {"max_seq_len": 32})), tokens, 6)
     assert (relative_errors(got, hf_logits(hf.eval(), tokens)) < 1e-4).all()
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """A transformers qwen2, its GGUF as llama.cpp writes it (Q/K rows as they are) and its safetensors."""
+    model, folder = _small_model("qwen2", 6, rms_norm_eps=1e-6), tmp_path_factory.mktemp("qwen2")
+    write_gguf(folder / "qwen2.gguf", model)
+    model.save_pretrained(folder / "twin", safe_serialization=True)
+    return model, folder / "qwen2.gguf", folder / "twin"
+
+
+def test_qwen2_gguf_tensors_are_its_safetensors_twins(qwen2):
+    """Every tensor, Q/K rows and their biases included, as the safetensors twin has it and as
+    transformers' own GGUF loader reads the file: once, every qwen2 GGUF's Q/K rows were
+    "un-permuted" like a llama's, scrambling them while their biases stayed in order."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    _, path, twin = qwen2
+    ckpt, want = load_checkpoint(load_spec(str(path))), load_checkpoint(load_spec(str(twin)))
+    assert ckpt.expected.keys() == want.expected.keys() and "layers.1.bk" in ckpt.expected
+    state = _state(AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32))
+    for canon, (hf_name, _) in want.expected.items():
+        np.testing.assert_array_equal(ckpt.get(canon), want.get(canon), err_msg=canon)
+        np.testing.assert_array_equal(ckpt.get(canon), state[hf_name], err_msg=canon)
+
+
+def test_qwen2_gguf_logits_are_its_safetensors_twins(qwen2):
+    """On the reference backend: the GGUF's logits are the safetensors twin's, and transformers'."""
+    model, path, twin = qwen2
+    tokens = np.random.default_rng(3).integers(0, 128, 20)
+    got, want = (prompt_then_decode(reference(load_spec(str(p), {"max_seq_len": 32})), tokens, 6)
+                 for p in (path, twin))
+    assert (relative_errors(got, want) < 1e-12).all()       # 2e-15 measured, not 0: a GGUF's eps is float32
+    assert (relative_errors(got, hf_logits(copy.deepcopy(model).double(), tokens)) < 2e-6).all()
+
+
+def test_llama_gguf_biases_are_unpermuted_with_their_rows(qwen2, tmp_path):
+    """llama.cpp's converter reorders a llama's q/k biases with their rows: a qwen2 model written
+    as a llama GGUF and read with its own config gets rows and biases back in order."""
+    model, path = qwen2[0], tmp_path / "biased-llama.gguf"
+    write_gguf(path, model, arch="llama")
+    ckpt = load_checkpoint(load_spec({"weights": str(path), "config": model.config.to_dict()}))
+    state = _state(model)
+    for canon, hf_name in (("wq", "q_proj.weight"), ("wk", "k_proj.weight"), ("bq", "q_proj.bias"),
+                           ("bk", "k_proj.bias"), ("bv", "v_proj.bias")):
+        np.testing.assert_array_equal(ckpt.get(f"layers.1.{canon}"), state[f"model.layers.1.self_attn.{hf_name}"],
+                                      err_msg=canon)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_gguf_of_another_architecture_is_refused_beside_a_config(hf_llama, tmp_path, arch):
+    """Whether Q/K rows were reordered is the file's architecture's to say, not the config's: a
+    GGUF of an architecture kiec does not know is refused, not read in a guessed order. "mistral"
+    was read once; llama.cpp writes Mistral as "llama", and no writer or reader of "mistral" says
+    which order its rows are in."""
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(path, hf_llama, arch=arch)
+    for load in (lambda: load_spec(str(path)),          # its own metadata as the config
+                 lambda: load_checkpoint(load_spec({"weights": str(path), "config": hf_llama.config.to_dict()}))):
+        with pytest.raises(KiecError) as info:
+            load()
+        assert info.value.field == "weights" and f"general.architecture='{arch}'" in info.value.value
+        assert info.value.expected == "a llama or qwen2 GGUF"
+        assert ("safetensors checkpoint" in info.value.hint) == (arch == "mistral")
 
 
 @pytest.mark.parametrize("keep", [3, 16, 100, 0.1, 0.5, -1])
