@@ -4,6 +4,7 @@ kiec.model can read a GGUF's config without importing the weight readers."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 from .errors import KiecError, is_number
@@ -90,7 +91,34 @@ def gguf_config(path: str) -> dict:
         cfg["sliding_window"] = key("attention.sliding_window")
     if arch == "qwen2":
         cfg["use_sliding_window"] = False
+    scaling = _rope_scaling(meta, arch, path)
+    if scaling:
+        cfg["rope_scaling"] = scaling
     return cfg
+
+
+def _rope_scaling(meta: dict, arch: str, path: str) -> dict | None:
+    """The rope_scaling of a GGUF's `{arch}.rope.scaling.*` keys, read as llama.cpp reads them, or
+    None for none. Only linear scaling has these keys and a RoPE table kiec computes (llama3's is the
+    rope_freqs tensor); yarn, longrope or any other type is refused by name, not run unscaled."""
+    type_key = f"{arch}.rope.scaling.type"
+    # llama.cpp reads the older `rope.scale_linear` where `rope.scaling.factor` is absent
+    factor_key = next((k for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear")
+                       if meta.get(k) is not None), f"{arch}.rope.scaling.factor")
+    kind = meta.get(type_key)
+    if kind is None and meta.get(factor_key) is None:
+        return None
+    if kind is None:
+        kind = "linear"     # llama.cpp's type for a file that gives a factor and no type
+    if kind == "none":      # llama.cpp never scales under "none", whatever the factor says
+        return None
+    if kind != "linear":
+        raise KiecError(type_key, kind, "'linear' or 'none': the RoPE scaling kiec reads from a GGUF",
+                        f"in the metadata of {path}; kiec's RoPE table has no other scaling yet: no yarn, no longrope")
+    factor = _meta_number(meta, factor_key, float, _REQUIRED, path)
+    if not math.isfinite(factor) or factor <= 0:
+        raise KiecError(factor_key, factor, "a positive finite number", f"in the metadata of {path}")
+    return {"rope_type": "linear", "factor": factor}
 
 
 def _meta_number(meta: dict, name: str, kind, default, path: str):

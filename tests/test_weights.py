@@ -348,6 +348,9 @@ def write_gguf(path, model, quantize=(), change=None, meta=None, arch=None) -> N
         "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
         "rope.freq_base": float(cfg.rope_parameters["rope_theta"]), "vocab_size": cfg.vocab_size,
     }.items()}
+    if cfg.rope_parameters.get("rope_type") == "linear":       # as LlamaModel.set_gguf_parameters
+        keys[f"{arch}.rope.scaling.type"] = "linear"
+        keys[f"{arch}.rope.scaling.factor"] = float(cfg.rope_parameters["factor"])
     adders = {int: w.add_uint32, float: w.add_float32, str: w.add_string, list: w.add_array, bool: w.add_bool}
     for key, value in {**keys, **(meta or {})}.items():
         if value is not None:
@@ -563,6 +566,55 @@ def test_gguf_optional_metadata_defaults(hf_llama, tmp_path):
         ["llama.attention.head_count_kv", "llama.context_length", "llama.vocab_size"]))
     cfg = load_spec(str(path)).config
     assert (cfg.heads, cfg.kv_heads, cfg.max_positions, cfg.vocab) == (4, 4, 4096, 128)
+
+
+LINEAR = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
+
+
+@pytest.mark.parametrize("meta, want", [
+    (LINEAR, {"rope_type": "linear", "factor": 4.0}),
+    ({"llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),    # llama.cpp's default type
+    ({"llama.rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),      # the older key
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, {}),     # llama.cpp: never scale
+    ({"llama.rope.scaling.original_context_length": 64}, {}),
+])
+def test_gguf_rope_scaling_keys_are_read(hf_llama, tmp_path, meta, want):
+    """As llama.cpp reads them: they were ignored, and the model ran with unscaled positions."""
+    path = tmp_path / "scaled.gguf"
+    write_gguf(path, hf_llama, meta=meta)
+    assert dict(load_spec(str(path)).config.rope_scaling) == want
+
+
+@pytest.mark.parametrize("meta, key, value", [
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "llama.rope.scaling.type", "yarn"),
+    ({"llama.rope.scaling.type": "longrope"}, "llama.rope.scaling.type", "longrope"),
+    ({"llama.rope.scaling.type": 1}, "llama.rope.scaling.type", 1),
+    ({"llama.rope.scaling.type": "linear"}, "llama.rope.scaling.factor", None),
+    (dict(LINEAR, **{"llama.rope.scaling.factor": 0.0}), "llama.rope.scaling.factor", 0.0),
+    ({"llama.rope.scaling.factor": -2.0}, "llama.rope.scaling.factor", -2.0),
+    ({"llama.rope.scaling.factor": "4"}, "llama.rope.scaling.factor", "4"),
+    ({"llama.rope.scale_linear": float("inf")}, "llama.rope.scale_linear", float("inf")),
+])
+def test_gguf_rope_scaling_kiec_cannot_run_is_refused_by_key(hf_llama, tmp_path, meta, key, value):
+    path = tmp_path / "scaled.gguf"
+    write_gguf(path, hf_llama, meta=meta)
+    with pytest.raises(KiecError) as info:
+        load_spec(str(path))
+    assert info.value.field == key and info.value.value == value and str(path) in info.value.hint
+
+
+def test_linear_scaled_gguf_logits_match_transformers(tmp_path):
+    """A linear-scaled llama written as llama.cpp writes it (rope.scaling.type and .factor) gives
+    transformers' logits; without the keys the logits are far off, so the test sees them read."""
+    model = _small_model("llama", 7, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    tokens = np.random.default_rng(4).integers(0, 128, 20)
+    want, errors = hf_logits(copy.deepcopy(model).double(), tokens), {}
+    for name, meta in (("scaled", None), ("unscaled", dict.fromkeys(LINEAR))):
+        path = tmp_path / f"{name}.gguf"
+        write_gguf(path, model, meta=meta)
+        got = prompt_then_decode(reference(load_spec(str(path), {"max_seq_len": 32})), tokens, 6)
+        errors[name] = relative_errors(got, want).max()
+    assert errors["scaled"] < 2e-6 and errors["unscaled"] > 1e-3, errors
 
 
 def test_unknown_weights_suffix(tiny_llama, tmp_path):
