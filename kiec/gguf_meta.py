@@ -7,6 +7,8 @@ import functools
 import math
 import os
 
+import numpy as np
+
 from .errors import KiecError, is_number
 
 
@@ -30,6 +32,7 @@ def _cached_gguf_reader(path: str, size: int, mtime_ns: int):
         raise KiecError("weights", path, "a GGUF file", f"unreadable or truncated: {type(err).__name__}: {err}") from None
 
 
+ROPE_FREQS = "rope_freqs.weight"    # llama.cpp's per-pair RoPE factors: how a GGUF carries llama3 scaling
 _REQUIRED = object()    # _meta_number's default for a key the config cannot do without
 _NUMBER = {int: "an integer", float: "a number"}
 
@@ -92,9 +95,35 @@ def gguf_config(path: str) -> dict:
     if arch == "qwen2":
         cfg["use_sliding_window"] = False
     scaling = _rope_scaling(meta, arch, path)
+    if ROPE_FREQS in names:
+        if scaling:     # llama.cpp would apply both; no config spells that, and no converter writes it
+            raise KiecError(f"weights[{ROPE_FREQS}]", f"the tensor beside {scaling['rope_type']} RoPE scaling keys",
+                            f"either the tensor (llama3 scaling) or {arch}.rope.scaling.* keys, not both", f"in {path}")
+        # a head count of 0 is arch_config's to name (config.num_attention_heads), after this
+        head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads > 0 else 0)
+        scaling = {"rope_type": "freq_factors", "factors": _rope_freqs(reader, head_dim // 2, path)}
     if scaling:
         cfg["rope_scaling"] = scaling
     return cfg
+
+
+def _rope_freqs(reader, pairs: int, path: str) -> list:
+    """The factors of llama.cpp's rope_freqs tensor, one per RoPE pair: its converter writes a
+    llama3-scaled checkpoint's rope_scaling as them, and llama.cpp divides each pair's inverse
+    frequency by its factor."""
+    tensor = next(t for t in reader.tensors if t.name == ROPE_FREQS)
+    shape = [int(n) for n in reversed(tensor.shape)]
+    if tensor.tensor_type.name not in ("F32", "F16"):
+        raise KiecError(f"weights[{ROPE_FREQS}].dtype", tensor.tensor_type.name, "F32 or F16", f"in {path}")
+    if pairs and shape != [pairs]:
+        raise KiecError(f"weights[{ROPE_FREQS}].shape", shape, f"[{pairs}]: one factor per RoPE pair (head_dim / 2)",
+                        f"in {path}")
+    factors = np.asarray(tensor.data, np.float64).reshape(-1)
+    bad = ~(np.isfinite(factors) & (factors > 0))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise KiecError(f"weights[{ROPE_FREQS}][{i}]", float(factors[i]), "a positive finite factor", f"in {path}")
+    return factors.tolist()
 
 
 def _rope_scaling(meta: dict, arch: str, path: str) -> dict | None:

@@ -9,6 +9,7 @@ config: a missing, extra or misshapen tensor is one clear error.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -18,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import KiecError, is_int
-from .gguf_meta import QK_REORDERED, gguf_architecture, open_gguf
-from .model import ArchConfig, read_json_object
+from .gguf_meta import QK_REORDERED, ROPE_FREQS, gguf_architecture, open_gguf
+from .model import ArchConfig, read_json_object, rope_inv_freq
 
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 GGUF_NOT_WEIGHTS = ("I8", "I16", "I32", "I64", "F64")     # GGUF tensor types no weight of ours has
@@ -293,9 +294,30 @@ class Checkpoint:
                                 f"in {origin}")
         tied_head = {"lm_head.weight", "output.weight"} if self.cfg.tie_embeddings else set()
         for name in self.store.names():
-            if name not in wanted and name not in tied_head and not name.endswith(IGNORED):
+            if name == ROPE_FREQS and origin.endswith(".gguf"):
+                self._check_rope_freqs()
+            elif name not in wanted and name not in tied_head and not name.endswith(IGNORED):
                 raise KiecError(f"weights[{name}]", "an extra tensor", "only the tensors this config uses",
                                 f"in {origin}; the config and the checkpoint disagree")
+
+    def _check_rope_freqs(self) -> None:
+        """A GGUF's rope_freqs (llama.cpp's per-pair RoPE factors) are no graph weight: the config
+        read from the GGUF carries them into the RoPE table (kiec.gguf_meta). A config given beside
+        the GGUF must imply the same factors, or the table would silently be another."""
+        factors = self.store.get(ROPE_FREQS, np.float64).reshape(-1)
+        implied = rope_inv_freq(dataclasses.replace(self.cfg, rope_scaling=())) / rope_inv_freq(self.cfg)
+        field, where = f"weights[{ROPE_FREQS}]", f"in {self.store.origin}"
+        if factors.shape != implied.shape:
+            raise KiecError(f"{field}.shape", list(factors.shape), f"[{len(implied)}]: one factor per RoPE pair",
+                            where)
+        # 1e-5: llama.cpp's converter computes the factors in float32, kiec's llama3 RoPE in float64
+        off = np.abs(factors - implied) > 1e-5 * implied
+        if off.any():
+            i = int(np.argmax(off))
+            kind = dict(self.cfg.rope_scaling).get("rope_type", "default")
+            raise KiecError(f"{field}[{i}]", float(factors[i]), f"{implied[i]:.6g}, as the config's RoPE ({kind}) implies",
+                            f"{where}; the config and the checkpoint disagree: without a config in model.json "
+                            "kiec reads the GGUF's own")
 
     def get(self, canonical: str, dtype=np.float32) -> np.ndarray:
         return self.store.get(self.expected[canonical][0], dtype)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kiec.errors import KiecError
-from kiec.model import load_spec
+from kiec.model import load_spec, rope_inv_freq
 from kiec.weights import load_checkpoint, read_folder, read_safetensors
 from refcheck import hf_logits, hf_random_model, prompt_then_decode, reference, relative_errors
 
@@ -332,9 +332,24 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _llama_cpp_rope_freqs(cfg) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's converter writes for llama3 RoPE scaling: per pair, the
+    factor its inverse frequency is divided by (1, smoothed, or `factor`), in float32 as there."""
+    rope = cfg.rope_parameters
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1 / (np.float32(rope["rope_theta"]) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    wavelen = np.float32(2 * np.pi) / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    return np.where(wavelen < old / high, 1, np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth))
+                    ).astype(np.float32)
+
+
 def write_gguf(path, model, quantize=(), change=None, meta=None, arch=None) -> None:
     """A GGUF of architecture `arch` (the model's own by default) from a transformers model, as
-    llama.cpp's converter lays it out: Q/K rows (weights and biases) reordered for "llama" only.
+    llama.cpp's converter lays it out: Q/K rows (weights and biases) reordered for "llama" only,
+    linear RoPE scaling as metadata keys, llama3's as a rope_freqs tensor.
     `quantize`: GGUF names stored as Q8_0; `change(name, array) -> array | None` edits (None
     drops); `meta`: metadata keys to overwrite, with a value of another type, or to drop (None)."""
     import gguf
@@ -355,6 +370,7 @@ def write_gguf(path, model, quantize=(), change=None, meta=None, arch=None) -> N
     for key, value in {**keys, **(meta or {})}.items():
         if value is not None:
             adders[type(value)](key, value)
+    tensors = {}
     for hf_name, array in _state(model).items():
         layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
         short = hf_name.split(f"layers.{layer}.", 1)[1] if layer else hf_name
@@ -363,6 +379,10 @@ def write_gguf(path, model, quantize=(), change=None, meta=None, arch=None) -> N
             array = _llama_cpp_permute(array, cfg.num_attention_heads)
         elif arch == "llama" and short.startswith("self_attn.k_proj."):
             array = _llama_cpp_permute(array, cfg.num_key_value_heads)
+        tensors[name] = array
+    if cfg.rope_parameters.get("rope_type") == "llama3":       # as LlamaModel.generate_extra_tensors
+        tensors["rope_freqs.weight"] = _llama_cpp_rope_freqs(cfg)
+    for name, array in tensors.items():
         if change is not None:
             array = change(name, array)
             if array is None:
@@ -425,13 +445,17 @@ def test_gguf_logits_match_transformers(tiny_gguf):
     assert (relative_errors(got, hf_logits(hf.eval(), tokens)) < 1e-4).all()
 
 
+def _gguf_and_twin(model, folder):
+    """`model`, its GGUF as llama.cpp writes it, and its safetensors folder (with config.json)."""
+    write_gguf(folder / "model.gguf", model)
+    model.save_pretrained(folder / "twin", safe_serialization=True)
+    return model, folder / "model.gguf", folder / "twin"
+
+
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
-    """A transformers qwen2, its GGUF as llama.cpp writes it (Q/K rows as they are) and its safetensors."""
-    model, folder = _small_model("qwen2", 6, rms_norm_eps=1e-6), tmp_path_factory.mktemp("qwen2")
-    write_gguf(folder / "qwen2.gguf", model)
-    model.save_pretrained(folder / "twin", safe_serialization=True)
-    return model, folder / "qwen2.gguf", folder / "twin"
+    """A transformers qwen2 (llama.cpp writes its Q/K rows as they are), as GGUF and as safetensors."""
+    return _gguf_and_twin(_small_model("qwen2", 6, rms_norm_eps=1e-6), tmp_path_factory.mktemp("qwen2"))
 
 
 def test_qwen2_gguf_tensors_are_its_safetensors_twins(qwen2):
@@ -615,6 +639,65 @@ def test_linear_scaled_gguf_logits_match_transformers(tmp_path):
         got = prompt_then_decode(reference(load_spec(str(path), {"max_seq_len": 32})), tokens, 6)
         errors[name] = relative_errors(got, want).max()
     assert errors["scaled"] < 2e-6 and errors["unscaled"] > 1e-3, errors
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}   # head_dim 16: unscaled, smoothed and scaled pairs all occur
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    """A llama with llama3 RoPE scaling (Llama-3.1/3.2's), as GGUF (a rope_freqs tensor) and as safetensors."""
+    return _gguf_and_twin(_small_model("llama", 8, rope_scaling=LLAMA3), tmp_path_factory.mktemp("llama3"))
+
+
+def test_llama3_gguf_rope_freqs_give_the_logits_of_its_config(llama3, tmp_path):
+    """A GGUF's rope_freqs factors divide each pair's inverse frequency, as llama.cpp applies them:
+    the logits are those of the safetensors twin (rope_scaling llama3 in config.json) and
+    transformers'. Without the tensor they are far off, so the test sees it read. It was refused:
+    "weights[rope_freqs.weight]: got 'an extra tensor'"."""
+    model, path, twin = llama3
+    tokens = np.random.default_rng(5).integers(0, 128, 20)
+    spec = load_spec(str(path), {"max_seq_len": 32})
+    assert dict(spec.config.rope_scaling)["rope_type"] == "freq_factors"
+    np.testing.assert_allclose(rope_inv_freq(spec.config), rope_inv_freq(load_spec(str(twin)).config), rtol=1e-6)
+    got = prompt_then_decode(reference(spec), tokens, 6)
+    want = prompt_then_decode(reference(load_spec(str(twin), {"max_seq_len": 32})), tokens, 6)
+    assert (relative_errors(got, want) < 1e-7).all()        # 2e-9 measured: the tensor is float32
+    assert (relative_errors(got, hf_logits(copy.deepcopy(model).double(), tokens)) < 2e-6).all()
+    plain = tmp_path / "without.gguf"
+    write_gguf(plain, model, change=lambda name, a: None if name == "rope_freqs.weight" else a)
+    unscaled = prompt_then_decode(reference(load_spec(str(plain), {"max_seq_len": 32})), tokens, 6)
+    assert relative_errors(unscaled, want).max() > 1e-3
+
+
+def test_gguf_rope_freqs_beside_a_config_must_agree_with_it(llama3):
+    """model.json may give a config beside the GGUF; the RoPE table is the config's, so its scaling
+    must imply the tensor's factors: llama3 does, none does not (pair 1 is smoothed)."""
+    model, path, _ = llama3
+    config = model.config.to_dict()
+    ckpt = load_checkpoint(load_spec({"weights": str(path), "config": config}))
+    assert dict(ckpt.cfg.rope_scaling)["rope_type"] == "llama3"
+    spec = load_spec({"weights": str(path), "config": dict(config, rope_parameters={"rope_theta": 10000.0})})
+    with pytest.raises(KiecError) as info:
+        load_checkpoint(spec)
+    assert info.value.field == "weights[rope_freqs.weight][1]" and "disagree" in info.value.hint
+
+
+@pytest.mark.parametrize("change, meta, field, value", [
+    (lambda a: a[:4], None, "weights[rope_freqs.weight].shape", [4]),
+    (lambda a: a.astype(np.int32), None, "weights[rope_freqs.weight].dtype", "I32"),
+    (lambda a: np.where(np.arange(8) == 2, -a, a), None, "weights[rope_freqs.weight][2]", None),
+    (lambda a: np.where(np.arange(8) == 5, np.nan, a), None, "weights[rope_freqs.weight][5]", None),
+    (lambda a: a, LINEAR, "weights[rope_freqs.weight]", "the tensor beside linear RoPE scaling keys"),
+], ids=["short", "int32", "negative", "nan", "beside-linear-keys"])
+def test_bad_gguf_rope_freqs_are_refused_by_name(llama3, tmp_path, change, meta, field, value):
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, llama3[0], meta=meta, change=lambda name, a: change(a) if name == "rope_freqs.weight" else a)
+    with pytest.raises(KiecError) as info:
+        load_spec(str(path))
+    assert info.value.field == field and str(path) in info.value.hint
+    assert value is None or info.value.value == value
 
 
 def test_unknown_weights_suffix(tiny_llama, tmp_path):
