@@ -36,7 +36,7 @@ class ArchConfig:
     max_positions: int
     rope_theta: float
     rope_pairs: str             # "half" (Hugging Face rotate_half) or "adjacent" (complex pairs)
-    rope_scaling: tuple = ()    # (("rope_type", "llama3"), ("factor", 32.0), ...) or ()
+    rope_scaling: tuple = ()    # (("rope_type", "llama3"), ("factor", 32.0), ...) or (); factors: a tuple
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
@@ -281,7 +281,10 @@ def read_json_object(name: str, path: str) -> dict:
 
 # what rope_inv_freq reads for each RoPE type; all required, as Hugging Face requires them
 ROPE_FIELDS = {"default": (), "linear": ("factor",),
-               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+               # not Hugging Face's: one factor per RoPE pair, dividing its inverse frequency, as llama.cpp
+               # applies a GGUF's rope_freqs tensor (llama3 scaling, computed by its converter)
+               "freq_factors": ("factors",)}
 
 
 def arch_config(arch: str, hf: dict) -> ArchConfig:
@@ -322,12 +325,15 @@ def arch_config(arch: str, hf: dict) -> ArchConfig:
     params = rope if rope.get("rope_type") else scaling
     where = "config.rope_parameters" if rope.get("rope_type") else "config.rope_scaling"
     if kind not in ROPE_FIELDS:
-        raise KiecError(where, kind, "'default', 'linear' or 'llama3'")
+        raise KiecError(where, kind, "'default', 'linear', 'llama3' or 'freq_factors'")
     for key in ROPE_FIELDS[kind]:
         if key not in params:
-            raise KiecError(f"{where}.{key}", None, "a positive finite number",
-                            f"the key is missing; {kind} RoPE needs it")
-        _positive_number(f"{where}.{key}", params[key])
+            raise KiecError(f"{where}.{key}", None, "a list of positive numbers" if key == "factors"
+                            else "a positive finite number", f"the key is missing; {kind} RoPE needs it")
+        if key == "factors":
+            params = dict(params, factors=_freq_factors(f"{where}.factors", params[key], head_dim // 2))
+        else:
+            _positive_number(f"{where}.{key}", params[key])
     if kind == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
         raise KiecError(f"{where}.high_freq_factor", params["high_freq_factor"],
                         f"more than low_freq_factor ({params['low_freq_factor']})",
@@ -426,6 +432,13 @@ class _Getter:
         return _positive_number(f"config.{key}", self.hf.get(key, default))
 
 
+def _freq_factors(name: str, value, pairs: int) -> tuple:
+    """One positive finite factor per RoPE pair, as a tuple (ArchConfig is frozen and hashed)."""
+    if not isinstance(value, (list, tuple)) or len(value) != pairs:
+        raise KiecError(name, value, f"a list of {pairs} positive numbers, one per RoPE pair (head_dim / 2)")
+    return tuple(_positive_number(f"{name}[{i}]", factor) for i, factor in enumerate(value))
+
+
 def _positive_number(name: str, value) -> float:
     # a zero, negative, NaN or infinite eps/theta/factor gives NaN logits later, not an error
     if not is_number(value) or not math.isfinite(value) or value <= 0:
@@ -434,7 +447,7 @@ def _positive_number(name: str, value) -> float:
 
 
 def rope_inv_freq(cfg: ArchConfig):
-    """Per-pair inverse frequencies [head_dim/2], with llama3/linear scaling applied (float64)."""
+    """Per-pair inverse frequencies [head_dim/2], with llama3/linear/freq_factors scaling applied (float64)."""
     import numpy as np
     hd = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
@@ -452,4 +465,6 @@ def rope_inv_freq(cfg: ArchConfig):
         scaled = np.where(wavelen > low_wl, inv / factor, inv)
         mid = (wavelen <= low_wl) & (wavelen >= high_wl)
         inv = np.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    elif kind == "freq_factors":
+        inv = inv / np.asarray(scaling["factors"], np.float64)
     return inv

@@ -2,12 +2,14 @@
 
 No torch at run time: safetensors are parsed here (header + memory map, bf16 through
 ml_dtypes); GGUF goes through the `gguf` package and is dequantized, with llama.cpp's
-Q/K row permutation undone so every weight has Hugging Face's layout. Checkpoint names
+Q/K row permutation undone where its converter applied it (the file's architecture says
+where), so every weight has Hugging Face's layout. Checkpoint names
 are mapped to kiec's canonical names (`layers.3.wq`, ...) and checked against the
 config: a missing, extra or misshapen tensor is one clear error.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,11 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from .errors import KiecError, is_int
-from .gguf_meta import open_gguf
-from .model import ArchConfig, read_json_object
+from .gguf_meta import QK_REORDERED, ROPE_FREQS, gguf_architecture, open_gguf
+from .model import ArchConfig, read_json_object, rope_inv_freq
 
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 GGUF_NOT_WEIGHTS = ("I8", "I16", "I32", "I64", "F64")     # GGUF tensor types no weight of ours has
+GGUF_REORDERED = ("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")  # rows llama.cpp reorders
 IGNORED = ("rotary_emb.inv_freq", "masked_bias", ".attn.bias")
 
 
@@ -167,6 +170,8 @@ def _index_shards(index: Path) -> list:
 def read_gguf(path: str, cfg: ArchConfig) -> WeightStore:
     import gguf
     reader = open_gguf(path)
+    # the file's own architecture, not cfg.arch: a model.json may give a config beside any GGUF
+    reordered = QK_REORDERED[gguf_architecture(reader, path)]
     size = os.path.getsize(path)
     entries, loaders = {}, {}
     for t in reader.tensors:
@@ -185,7 +190,7 @@ def read_gguf(path: str, cfg: ArchConfig) -> WeightStore:
             except NotImplementedError as err:
                 raise KiecError(f"weights[{t.name}].dtype", t.tensor_type.name, "a type the gguf package dequantizes",
                                 str(err)) from None
-            if t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            if reordered and t.name.endswith(GGUF_REORDERED):
                 heads = cfg.heads if "attn_q" in t.name else cfg.kv_heads
                 array = _unpermute(array, heads)
             return array
@@ -194,7 +199,8 @@ def read_gguf(path: str, cfg: ArchConfig) -> WeightStore:
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (interleaved RoPE) back to rotate-half order."""
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE) back to rotate-half order; a bias
+    (one axis) the same way."""
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -288,9 +294,30 @@ class Checkpoint:
                                 f"in {origin}")
         tied_head = {"lm_head.weight", "output.weight"} if self.cfg.tie_embeddings else set()
         for name in self.store.names():
-            if name not in wanted and name not in tied_head and not name.endswith(IGNORED):
+            if name == ROPE_FREQS and origin.endswith(".gguf"):
+                self._check_rope_freqs()
+            elif name not in wanted and name not in tied_head and not name.endswith(IGNORED):
                 raise KiecError(f"weights[{name}]", "an extra tensor", "only the tensors this config uses",
                                 f"in {origin}; the config and the checkpoint disagree")
+
+    def _check_rope_freqs(self) -> None:
+        """A GGUF's rope_freqs (llama.cpp's per-pair RoPE factors) are no graph weight: the config
+        read from the GGUF carries them into the RoPE table (kiec.gguf_meta). A config given beside
+        the GGUF must imply the same factors, or the table would silently be another."""
+        factors = self.store.get(ROPE_FREQS, np.float64).reshape(-1)
+        implied = rope_inv_freq(dataclasses.replace(self.cfg, rope_scaling=())) / rope_inv_freq(self.cfg)
+        field, where = f"weights[{ROPE_FREQS}]", f"in {self.store.origin}"
+        if factors.shape != implied.shape:
+            raise KiecError(f"{field}.shape", list(factors.shape), f"[{len(implied)}]: one factor per RoPE pair",
+                            where)
+        # 1e-5: llama.cpp's converter computes the factors in float32, kiec's llama3 RoPE in float64
+        off = np.abs(factors - implied) > 1e-5 * implied
+        if off.any():
+            i = int(np.argmax(off))
+            kind = dict(self.cfg.rope_scaling).get("rope_type", "default")
+            raise KiecError(f"{field}[{i}]", float(factors[i]), f"{implied[i]:.6g}, as the config's RoPE ({kind}) implies",
+                            f"{where}; the config and the checkpoint disagree: without a config in model.json "
+                            "kiec reads the GGUF's own")
 
     def get(self, canonical: str, dtype=np.float32) -> np.ndarray:
         return self.store.get(self.expected[canonical][0], dtype)

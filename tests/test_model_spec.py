@@ -253,6 +253,10 @@ def _without(params: dict, key: str) -> dict:
      "config.rope_scaling.original_max_position_embeddings", None),
     ("rope_scaling", dict(LLAMA3, high_freq_factor=-4.0), "config.rope_scaling.high_freq_factor", -4.0),
     ("rope_scaling", dict(LLAMA3, high_freq_factor=1.0), "config.rope_scaling.high_freq_factor", 1.0),
+    ("rope_scaling", {"rope_type": "freq_factors"}, "config.rope_scaling.factors", None),
+    ("rope_scaling", {"rope_type": "freq_factors", "factors": [1.0] * 7}, "config.rope_scaling.factors", [1.0] * 7),
+    ("rope_scaling", {"rope_type": "freq_factors", "factors": 2.0}, "config.rope_scaling.factors", 2.0),
+    ("rope_scaling", {"rope_type": "freq_factors", "factors": [1.0] * 7 + [0]}, "config.rope_scaling.factors[7]", 0),
 ])
 def test_bad_float_and_rope_config_values(tiny_llama, key, value, field, shown):
     """Once a ValueError, a KeyError at run time, or NaN logits with exit code 0."""
@@ -271,6 +275,7 @@ def test_a_window_given_as_true_or_a_float_is_refused(tiny_llama, name, key, val
 
 @pytest.mark.parametrize("key, value", [("rope_scaling", LLAMA3), ("rope_scaling", {"type": "linear", "factor": 2}),
                                         ("rope_parameters", dict(LLAMA3, rope_theta=500000.0)),
+                                        ("rope_scaling", {"rope_type": "freq_factors", "factors": [1, 2.5] * 4}),
                                         ("rope_scaling", None), ("rms_norm_eps", 1e-6), ("rope_theta", 10000)])
 def test_good_rope_and_float_config_values(tiny_llama, key, value):
     import numpy as np

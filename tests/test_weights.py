@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kiec.errors import KiecError
-from kiec.model import load_spec
+from kiec.model import load_spec, rope_inv_freq
 from kiec.weights import load_checkpoint, read_folder, read_safetensors
 from refcheck import hf_logits, hf_random_model, prompt_then_decode, reference, relative_errors
 
@@ -37,6 +37,8 @@ GGUF_NAMES = {
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
 }
 
 
@@ -48,13 +50,18 @@ def _hf_names(layers: int) -> dict:
     return out
 
 
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=96, vocab_size=128, max_position_embeddings=128, tie_word_embeddings=False)
+
+
+def _small_model(family: str, seed: int, **changes):
+    from transformers import LlamaConfig, Qwen2Config
+    return hf_random_model({"llama": LlamaConfig, "qwen2": Qwen2Config}[family](**dict(SMALL, **changes)), seed=seed)
+
+
 @pytest.fixture(scope="module")
 def hf_llama():
-    from transformers import LlamaConfig
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=96, vocab_size=128, max_position_embeddings=128, rms_norm_eps=1e-5,
-                         tie_word_embeddings=False)
-    return hf_random_model(config, seed=5)
+    return _small_model("llama", 5, rms_norm_eps=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -325,33 +332,57 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, model, quantize=(), change=None, meta=None) -> None:
-    """A llama GGUF from a transformers model, as llama.cpp's converter lays it out. `quantize`:
-    GGUF names stored as Q8_0; `change(name, array) -> array | None` edits (None drops);
-    `meta`: metadata keys to overwrite, with a value of another type, or to drop (None)."""
+def _llama_cpp_rope_freqs(cfg) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's converter writes for llama3 RoPE scaling: per pair, the
+    factor its inverse frequency is divided by (1, smoothed, or `factor`), in float32 as there."""
+    rope = cfg.rope_parameters
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1 / (np.float32(rope["rope_theta"]) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    wavelen = np.float32(2 * np.pi) / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    return np.where(wavelen < old / high, 1, np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth))
+                    ).astype(np.float32)
+
+
+def write_gguf(path, model, quantize=(), change=None, meta=None, arch=None) -> None:
+    """A GGUF of architecture `arch` (the model's own by default) from a transformers model, as
+    llama.cpp's converter lays it out: Q/K rows (weights and biases) reordered for "llama" only,
+    linear RoPE scaling as metadata keys, llama3's as a rope_freqs tensor.
+    `quantize`: GGUF names stored as Q8_0; `change(name, array) -> array | None` edits (None
+    drops); `meta`: metadata keys to overwrite, with a value of another type, or to drop (None)."""
     import gguf
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    keys = {  # what GGUFWriter's add_block_count() etc. write, by key
-        "llama.block_count": cfg.num_hidden_layers, "llama.context_length": cfg.max_position_embeddings,
-        "llama.embedding_length": cfg.hidden_size, "llama.feed_forward_length": cfg.intermediate_size,
-        "llama.attention.head_count": cfg.num_attention_heads,
-        "llama.attention.head_count_kv": cfg.num_key_value_heads,
-        "llama.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-        "llama.rope.freq_base": float(cfg.rope_parameters["rope_theta"]), "llama.vocab_size": cfg.vocab_size,
-    }
+    arch = arch or cfg.model_type
+    w = gguf.GGUFWriter(str(path), arch)
+    keys = {f"{arch}.{key}": value for key, value in {  # what GGUFWriter's add_block_count() etc. write
+        "block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
+        "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        "rope.freq_base": float(cfg.rope_parameters["rope_theta"]), "vocab_size": cfg.vocab_size,
+    }.items()}
+    if cfg.rope_parameters.get("rope_type") == "linear":       # as LlamaModel.set_gguf_parameters
+        keys[f"{arch}.rope.scaling.type"] = "linear"
+        keys[f"{arch}.rope.scaling.factor"] = float(cfg.rope_parameters["factor"])
     adders = {int: w.add_uint32, float: w.add_float32, str: w.add_string, list: w.add_array, bool: w.add_bool}
     for key, value in {**keys, **(meta or {})}.items():
         if value is not None:
             adders[type(value)](key, value)
+    tensors = {}
     for hf_name, array in _state(model).items():
         layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
         short = hf_name.split(f"layers.{layer}.", 1)[1] if layer else hf_name
         name = f"blk.{layer}.{GGUF_NAMES[short]}" if layer else GGUF_NAMES[short]
-        if short == "self_attn.q_proj.weight":
+        if arch == "llama" and short.startswith("self_attn.q_proj."):
             array = _llama_cpp_permute(array, cfg.num_attention_heads)
-        elif short == "self_attn.k_proj.weight":
+        elif arch == "llama" and short.startswith("self_attn.k_proj."):
             array = _llama_cpp_permute(array, cfg.num_key_value_heads)
+        tensors[name] = array
+    if cfg.rope_parameters.get("rope_type") == "llama3":       # as LlamaModel.generate_extra_tensors
+        tensors["rope_freqs.weight"] = _llama_cpp_rope_freqs(cfg)
+    for name, array in tensors.items():
         if change is not None:
             array = change(name, array)
             if array is None:
@@ -412,6 +443,74 @@ def test_gguf_logits_match_transformers(tiny_gguf):
     tokens = np.random.default_rng(2).integers(0, 128, 20)
     got = prompt_then_decode(reference(load_spec(str(tiny_gguf), {"max_seq_len": 32})), tokens, 6)
     assert (relative_errors(got, hf_logits(hf.eval(), tokens)) < 1e-4).all()
+
+
+def _gguf_and_twin(model, folder):
+    """`model`, its GGUF as llama.cpp writes it, and its safetensors folder (with config.json)."""
+    write_gguf(folder / "model.gguf", model)
+    model.save_pretrained(folder / "twin", safe_serialization=True)
+    return model, folder / "model.gguf", folder / "twin"
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """A transformers qwen2 (llama.cpp writes its Q/K rows as they are), as GGUF and as safetensors."""
+    return _gguf_and_twin(_small_model("qwen2", 6, rms_norm_eps=1e-6), tmp_path_factory.mktemp("qwen2"))
+
+
+def test_qwen2_gguf_tensors_are_its_safetensors_twins(qwen2):
+    """Every tensor, Q/K rows and their biases included, as the safetensors twin has it and as
+    transformers' own GGUF loader reads the file: once, every qwen2 GGUF's Q/K rows were
+    "un-permuted" like a llama's, scrambling them while their biases stayed in order."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    _, path, twin = qwen2
+    ckpt, want = load_checkpoint(load_spec(str(path))), load_checkpoint(load_spec(str(twin)))
+    assert ckpt.expected.keys() == want.expected.keys() and "layers.1.bk" in ckpt.expected
+    state = _state(AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32))
+    for canon, (hf_name, _) in want.expected.items():
+        np.testing.assert_array_equal(ckpt.get(canon), want.get(canon), err_msg=canon)
+        np.testing.assert_array_equal(ckpt.get(canon), state[hf_name], err_msg=canon)
+
+
+def test_qwen2_gguf_logits_are_its_safetensors_twins(qwen2):
+    """On the reference backend: the GGUF's logits are the safetensors twin's, and transformers'."""
+    model, path, twin = qwen2
+    tokens = np.random.default_rng(3).integers(0, 128, 20)
+    got, want = (prompt_then_decode(reference(load_spec(str(p), {"max_seq_len": 32})), tokens, 6)
+                 for p in (path, twin))
+    assert (relative_errors(got, want) < 1e-12).all()       # 2e-15 measured, not 0: a GGUF's eps is float32
+    assert (relative_errors(got, hf_logits(copy.deepcopy(model).double(), tokens)) < 2e-6).all()
+
+
+def test_llama_gguf_biases_are_unpermuted_with_their_rows(qwen2, tmp_path):
+    """llama.cpp's converter reorders a llama's q/k biases with their rows: a qwen2 model written
+    as a llama GGUF and read with its own config gets rows and biases back in order."""
+    model, path = qwen2[0], tmp_path / "biased-llama.gguf"
+    write_gguf(path, model, arch="llama")
+    ckpt = load_checkpoint(load_spec({"weights": str(path), "config": model.config.to_dict()}))
+    state = _state(model)
+    for canon, hf_name in (("wq", "q_proj.weight"), ("wk", "k_proj.weight"), ("bq", "q_proj.bias"),
+                           ("bk", "k_proj.bias"), ("bv", "v_proj.bias")):
+        np.testing.assert_array_equal(ckpt.get(f"layers.1.{canon}"), state[f"model.layers.1.self_attn.{hf_name}"],
+                                      err_msg=canon)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_gguf_of_another_architecture_is_refused_beside_a_config(hf_llama, tmp_path, arch):
+    """Whether Q/K rows were reordered is the file's architecture's to say, not the config's: a
+    GGUF of an architecture kiec does not know is refused, not read in a guessed order. "mistral"
+    was read once; llama.cpp writes Mistral as "llama", and no writer or reader of "mistral" says
+    which order its rows are in."""
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(path, hf_llama, arch=arch)
+    for load in (lambda: load_spec(str(path)),          # its own metadata as the config
+                 lambda: load_checkpoint(load_spec({"weights": str(path), "config": hf_llama.config.to_dict()}))):
+        with pytest.raises(KiecError) as info:
+            load()
+        assert info.value.field == "weights" and f"general.architecture='{arch}'" in info.value.value
+        assert info.value.expected == "a llama or qwen2 GGUF"
+        assert ("safetensors checkpoint" in info.value.hint) == (arch == "mistral")
 
 
 @pytest.mark.parametrize("keep", [3, 16, 100, 0.1, 0.5, -1])
@@ -491,6 +590,114 @@ def test_gguf_optional_metadata_defaults(hf_llama, tmp_path):
         ["llama.attention.head_count_kv", "llama.context_length", "llama.vocab_size"]))
     cfg = load_spec(str(path)).config
     assert (cfg.heads, cfg.kv_heads, cfg.max_positions, cfg.vocab) == (4, 4, 4096, 128)
+
+
+LINEAR = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
+
+
+@pytest.mark.parametrize("meta, want", [
+    (LINEAR, {"rope_type": "linear", "factor": 4.0}),
+    ({"llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),    # llama.cpp's default type
+    ({"llama.rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),      # the older key
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, {}),     # llama.cpp: never scale
+    ({"llama.rope.scaling.original_context_length": 64}, {}),
+])
+def test_gguf_rope_scaling_keys_are_read(hf_llama, tmp_path, meta, want):
+    """As llama.cpp reads them: they were ignored, and the model ran with unscaled positions."""
+    path = tmp_path / "scaled.gguf"
+    write_gguf(path, hf_llama, meta=meta)
+    assert dict(load_spec(str(path)).config.rope_scaling) == want
+
+
+@pytest.mark.parametrize("meta, key, value", [
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "llama.rope.scaling.type", "yarn"),
+    ({"llama.rope.scaling.type": "longrope"}, "llama.rope.scaling.type", "longrope"),
+    ({"llama.rope.scaling.type": 1}, "llama.rope.scaling.type", 1),
+    ({"llama.rope.scaling.type": "linear"}, "llama.rope.scaling.factor", None),
+    (dict(LINEAR, **{"llama.rope.scaling.factor": 0.0}), "llama.rope.scaling.factor", 0.0),
+    ({"llama.rope.scaling.factor": -2.0}, "llama.rope.scaling.factor", -2.0),
+    ({"llama.rope.scaling.factor": "4"}, "llama.rope.scaling.factor", "4"),
+    ({"llama.rope.scale_linear": float("inf")}, "llama.rope.scale_linear", float("inf")),
+])
+def test_gguf_rope_scaling_kiec_cannot_run_is_refused_by_key(hf_llama, tmp_path, meta, key, value):
+    path = tmp_path / "scaled.gguf"
+    write_gguf(path, hf_llama, meta=meta)
+    with pytest.raises(KiecError) as info:
+        load_spec(str(path))
+    assert info.value.field == key and info.value.value == value and str(path) in info.value.hint
+
+
+def test_linear_scaled_gguf_logits_match_transformers(tmp_path):
+    """A linear-scaled llama written as llama.cpp writes it (rope.scaling.type and .factor) gives
+    transformers' logits; without the keys the logits are far off, so the test sees them read."""
+    model = _small_model("llama", 7, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    tokens = np.random.default_rng(4).integers(0, 128, 20)
+    want, errors = hf_logits(copy.deepcopy(model).double(), tokens), {}
+    for name, meta in (("scaled", None), ("unscaled", dict.fromkeys(LINEAR))):
+        path = tmp_path / f"{name}.gguf"
+        write_gguf(path, model, meta=meta)
+        got = prompt_then_decode(reference(load_spec(str(path), {"max_seq_len": 32})), tokens, 6)
+        errors[name] = relative_errors(got, want).max()
+    assert errors["scaled"] < 2e-6 and errors["unscaled"] > 1e-3, errors
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}   # head_dim 16: unscaled, smoothed and scaled pairs all occur
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    """A llama with llama3 RoPE scaling (Llama-3.1/3.2's), as GGUF (a rope_freqs tensor) and as safetensors."""
+    return _gguf_and_twin(_small_model("llama", 8, rope_scaling=LLAMA3), tmp_path_factory.mktemp("llama3"))
+
+
+def test_llama3_gguf_rope_freqs_give_the_logits_of_its_config(llama3, tmp_path):
+    """A GGUF's rope_freqs factors divide each pair's inverse frequency, as llama.cpp applies them:
+    the logits are those of the safetensors twin (rope_scaling llama3 in config.json) and
+    transformers'. Without the tensor they are far off, so the test sees it read. It was refused:
+    "weights[rope_freqs.weight]: got 'an extra tensor'"."""
+    model, path, twin = llama3
+    tokens = np.random.default_rng(5).integers(0, 128, 20)
+    spec = load_spec(str(path), {"max_seq_len": 32})
+    assert dict(spec.config.rope_scaling)["rope_type"] == "freq_factors"
+    np.testing.assert_allclose(rope_inv_freq(spec.config), rope_inv_freq(load_spec(str(twin)).config), rtol=1e-6)
+    got = prompt_then_decode(reference(spec), tokens, 6)
+    want = prompt_then_decode(reference(load_spec(str(twin), {"max_seq_len": 32})), tokens, 6)
+    assert (relative_errors(got, want) < 1e-7).all()        # 2e-9 measured: the tensor is float32
+    assert (relative_errors(got, hf_logits(copy.deepcopy(model).double(), tokens)) < 2e-6).all()
+    plain = tmp_path / "without.gguf"
+    write_gguf(plain, model, change=lambda name, a: None if name == "rope_freqs.weight" else a)
+    unscaled = prompt_then_decode(reference(load_spec(str(plain), {"max_seq_len": 32})), tokens, 6)
+    assert relative_errors(unscaled, want).max() > 1e-3
+
+
+def test_gguf_rope_freqs_beside_a_config_must_agree_with_it(llama3):
+    """model.json may give a config beside the GGUF; the RoPE table is the config's, so its scaling
+    must imply the tensor's factors: llama3 does, none does not (pair 1 is smoothed)."""
+    model, path, _ = llama3
+    config = model.config.to_dict()
+    ckpt = load_checkpoint(load_spec({"weights": str(path), "config": config}))
+    assert dict(ckpt.cfg.rope_scaling)["rope_type"] == "llama3"
+    spec = load_spec({"weights": str(path), "config": dict(config, rope_parameters={"rope_theta": 10000.0})})
+    with pytest.raises(KiecError) as info:
+        load_checkpoint(spec)
+    assert info.value.field == "weights[rope_freqs.weight][1]" and "disagree" in info.value.hint
+
+
+@pytest.mark.parametrize("change, meta, field, value", [
+    (lambda a: a[:4], None, "weights[rope_freqs.weight].shape", [4]),
+    (lambda a: a.astype(np.int32), None, "weights[rope_freqs.weight].dtype", "I32"),
+    (lambda a: np.where(np.arange(8) == 2, -a, a), None, "weights[rope_freqs.weight][2]", None),
+    (lambda a: np.where(np.arange(8) == 5, np.nan, a), None, "weights[rope_freqs.weight][5]", None),
+    (lambda a: a, LINEAR, "weights[rope_freqs.weight]", "the tensor beside linear RoPE scaling keys"),
+], ids=["short", "int32", "negative", "nan", "beside-linear-keys"])
+def test_bad_gguf_rope_freqs_are_refused_by_name(llama3, tmp_path, change, meta, field, value):
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, llama3[0], meta=meta, change=lambda name, a: change(a) if name == "rope_freqs.weight" else a)
+    with pytest.raises(KiecError) as info:
+        load_spec(str(path))
+    assert info.value.field == field and str(path) in info.value.hint
+    assert value is None or info.value.value == value
 
 
 def test_unknown_weights_suffix(tiny_llama, tmp_path):
