@@ -127,7 +127,7 @@ def load_spec(source, overrides: dict | None = None) -> ModelSpec:
     if not path.exists():
         raise KiecError("model", text, "a model.json, a model folder, a safetensors or GGUF file or one of "
                         + ", ".join(builtin_models()), "no such file")
-    if path.is_dir() or path.suffix in (".gguf", ".safetensors"):
+    if path.is_dir() or is_gguf(path) or path.suffix == ".safetensors":
         # absolute: a relative one would be joined again to the base below (the folder, or the file's folder)
         raw = {"weights": str(path.resolve())}
     else:
@@ -142,6 +142,11 @@ def load_spec(source, overrides: dict | None = None) -> ModelSpec:
             raise KiecError("model", type(raw).__name__, "a JSON object at the top of model.json")
     return spec_from_dict(dict(raw, **(overrides or {})), base=path.parent if path.is_file() else path,
                           origin=str(path))
+
+
+def is_gguf(path) -> bool:
+    """A GGUF file by its name: .gguf in any case (llama.cpp's tools write it lower, people rename)."""
+    return Path(path).suffix.lower() == ".gguf"
 
 
 def builtin_models() -> dict:
@@ -240,7 +245,7 @@ def _existing_path(name: str, value, base: Path) -> str:
 def _find_config(raw: dict, weights: str, base: Path) -> tuple[dict, str]:
     """The Hugging Face-style config and the default tokenizer source."""
     wpath = Path(weights)
-    default_tok = weights if wpath.is_dir() or wpath.suffix == ".gguf" else str(wpath.parent)
+    default_tok = weights if wpath.is_dir() or is_gguf(wpath) else str(wpath.parent)
     if "config" in raw:
         cfg = raw["config"]
         if isinstance(cfg, str):
@@ -248,13 +253,13 @@ def _find_config(raw: dict, weights: str, base: Path) -> tuple[dict, str]:
         if not isinstance(cfg, dict):
             raise KiecError("config", cfg, SPEC_KEYS["config"])
         return cfg, default_tok
-    if wpath.suffix == ".gguf":
+    if is_gguf(wpath):
         from .gguf_meta import gguf_config
         return gguf_config(weights), default_tok
     folder = wpath if wpath.is_dir() else wpath.parent
     if (folder / "config.json").exists():
         return read_json_object("config", str(folder / "config.json")), default_tok
-    ggufs = sorted(folder.glob("*.gguf"))
+    ggufs = sorted(p for p in folder.iterdir() if is_gguf(p))
     raise KiecError("config", None, SPEC_KEYS["config"],
                     f"not given, and no config.json beside the weights in {folder}"
                     + (f"; for the GGUF there, name the file itself: {ggufs[0]}" if ggufs else ""))

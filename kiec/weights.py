@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import KiecError, is_int
 from .gguf_meta import QK_REORDERED, ROPE_FREQS, gguf_architecture, open_gguf
-from .model import ArchConfig, read_json_object, rope_inv_freq
+from .model import ArchConfig, is_gguf, read_json_object, rope_inv_freq
 
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 GGUF_NOT_WEIGHTS = ("I8", "I16", "I32", "I64", "F64")     # GGUF tensor types no weight of ours has
@@ -131,7 +131,7 @@ def read_folder(folder: str) -> WeightStore:
     else:
         files = sorted(p.name for p in root.glob("*.safetensors"))
     if not files:
-        others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+        others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth") or is_gguf(p))
         raise KiecError("weights", folder, "a folder holding *.safetensors",
                         f"found {others} instead" if others else "no safetensors files in it")
     entries, loaders = {}, {}
@@ -209,7 +209,7 @@ def open_store(path: str, cfg: ArchConfig) -> WeightStore:
     p = Path(path)
     if p.is_dir():
         return read_folder(path)
-    if p.suffix == ".gguf":
+    if is_gguf(p):
         return read_gguf(path, cfg)
     if p.suffix == ".safetensors":
         return read_safetensors(path)
@@ -278,7 +278,7 @@ class Checkpoint:
 
     def __init__(self, store: WeightStore, cfg: ArchConfig):
         self.store, self.cfg = store, cfg
-        self.expected = expected_tensors(cfg, gguf_names=store.origin.endswith(".gguf"))
+        self.expected = expected_tensors(cfg, gguf_names=is_gguf(store.origin))
         self._check()
 
     def _check(self) -> None:
@@ -294,7 +294,7 @@ class Checkpoint:
                                 f"in {origin}")
         tied_head = {"lm_head.weight", "output.weight"} if self.cfg.tie_embeddings else set()
         for name in self.store.names():
-            if name == ROPE_FREQS and origin.endswith(".gguf"):
+            if name == ROPE_FREQS and is_gguf(origin):
                 self._check_rope_freqs()
             elif name not in wanted and name not in tied_head and not name.endswith(IGNORED):
                 raise KiecError(f"weights[{name}]", "an extra tensor", "only the tensors this config uses",
@@ -320,7 +320,15 @@ class Checkpoint:
                             "kiec reads the GGUF's own")
 
     def get(self, canonical: str, dtype=np.float32) -> np.ndarray:
-        return self.store.get(self.expected[canonical][0], dtype)
+        """The tensor, refused if any value is NaN or infinite: such a checkpoint would run, and every
+        token would come out of NaN logits (as token 0), with nothing said."""
+        name = self.expected[canonical][0]
+        array = self.store.get(name, dtype)
+        finite = np.isfinite(array)
+        if not finite.all():
+            raise KiecError(f"weights[{name}]", f"{array.size - int(finite.sum())} NaN or infinite values",
+                            "finite weights", f"in {self.store.origin}")
+        return array
 
 
 def load_checkpoint(spec) -> Checkpoint:

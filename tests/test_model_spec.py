@@ -446,9 +446,15 @@ def test_a_safetensors_file_is_a_model_argument(tiny_llama):
 def test_a_folder_holding_only_a_gguf_points_at_it(tmp_path):
     folder = tmp_path / "g"
     folder.mkdir()
-    (folder / "m.gguf").write_bytes(b"")
+    (folder / "m.GGUF").write_bytes(b"")
     err = _error(str(folder))
-    assert err.field == "config" and str(folder / "m.gguf") in str(err)
+    assert err.field == "config" and str(folder / "m.GGUF") in str(err)
+
+
+def test_a_gguf_is_a_gguf_in_any_case(tmp_path):
+    _write_gguf_config(tmp_path / "M.GGUF", preset("tiny-llama"))
+    spec = load_spec(str(tmp_path / "M.GGUF"))
+    assert spec.config.vocab == preset("tiny-llama")["vocab_size"] and spec.tokenizer == spec.weights
 
 
 def test_a_laneformer_s_lane_count_is_named_where_it_came_from(tmp_path):

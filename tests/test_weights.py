@@ -282,6 +282,17 @@ def test_wrong_dtype_in_safetensors(tiny_llama, tmp_path, dtype, code):
     assert "BF16" in info.value.expected and "F32" in info.value.expected
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_weight_that_is_not_finite_is_refused_by_name(tiny_llama, tmp_path, bad):
+    def spoil(tensors):
+        tensors[WQ0] = tensors[WQ0].copy()
+        tensors[WQ0][3, :2] = bad
+    ckpt = load_checkpoint(_write_variant(tiny_llama, tmp_path, spoil))
+    with pytest.raises(KiecError) as info:
+        ckpt.get("layers.0.wq")
+    assert info.value.field == f"weights[{WQ0}]" and info.value.value == "2 NaN or infinite values"
+
+
 def test_missing_tensor(tiny_llama, tmp_path):
     name = "model.layers.1.mlp.up_proj.weight"
     spec = _write_variant(tiny_llama, tmp_path, lambda t: t.pop(name))

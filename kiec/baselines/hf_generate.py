@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import KiecError
+from ..model import is_gguf
 
 
 def load_hf_model(source: str, device: str = "cuda", dtype: str = "bf16"):
@@ -21,7 +22,7 @@ def load_hf_model(source: str, device: str = "cuda", dtype: str = "bf16"):
     from transformers import AutoModelForCausalLM
     path = Path(source)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    if path.suffix == ".gguf":
+    if is_gguf(path):
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype)
     elif (path if path.is_dir() else path.parent).joinpath("config.json").exists():
         model = AutoModelForCausalLM.from_pretrained(path if path.is_dir() else path.parent, dtype=torch_dtype)

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from ..errors import KiecError
+from ..model import is_gguf
 
 # pre-tokenizer regexes of llama.cpp's `tokenizer.ggml.pre` names that differ from GPT-2's
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -129,7 +130,7 @@ class StreamDecoder:
 
 def load_tokenizer(source: str) -> Tokenizer:
     path = Path(source)
-    if path.suffix == ".gguf":
+    if is_gguf(path):
         return _from_gguf(str(path))
     folder = path if path.is_dir() else path.parent
     file = path if path.is_file() and path.suffix == ".json" else folder / "tokenizer.json"
