@@ -298,9 +298,10 @@ def arch_config(arch: str, hf: dict) -> ArchConfig:
     heads = get.int("num_attention_heads")
     kv_heads = get.int("num_key_value_heads", heads)
     layers = get.int("num_hidden_layers")
-    if hidden % heads:
-        raise KiecError("config.hidden_size", hidden, f"a multiple of num_attention_heads ({heads})")
-    head_dim = get.int("head_dim", hidden // heads) if arch != "laneformer" else hidden // heads
+    explicit_head_dim = arch != "laneformer" and hf.get("head_dim") is not None
+    if hidden % heads and not explicit_head_dim:     # with head_dim given, q need not be hidden wide (as transformers)
+        raise KiecError("config.hidden_size", hidden, f"a multiple of num_attention_heads ({heads}), or a head_dim")
+    head_dim = get.int("head_dim") if explicit_head_dim else hidden // heads
     if heads % kv_heads:
         raise KiecError("config.num_key_value_heads", kv_heads, f"a divisor of num_attention_heads ({heads})")
     if head_dim % 2:
@@ -353,7 +354,9 @@ def arch_config(arch: str, hf: dict) -> ArchConfig:
 
 
 def _sliding(arch: str, hf: dict, layers: int) -> tuple[int, tuple]:
-    window = hf.get("sliding_window") or 0
+    # a missing key is transformers' default (mistral's and qwen2's 4096, qwen2's max_window_layers 28);
+    # null is no window
+    window = hf.get("sliding_window", 4096) or 0
     types = hf.get("layer_types")
     if arch == "llama" or not window:
         return 0, ()
@@ -362,7 +365,7 @@ def _sliding(arch: str, hf: dict, layers: int) -> tuple[int, tuple]:
     if isinstance(types, list) and len(types) == layers:
         flags = tuple(t == "sliding_attention" for t in types)
     elif arch == "qwen2":
-        start = hf.get("max_window_layers", layers)
+        start = hf.get("max_window_layers", 28)
         if not is_int(start) or start < 0:
             raise KiecError("config.max_window_layers", start, "a layer count (an integer, 0 or more)")
         flags = tuple(i >= start for i in range(layers))

@@ -40,6 +40,8 @@ CASES = {
     "qwen2-window-upper-layers": ("qwen2", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=6,
                                                 max_window_layers=1, tie_word_embeddings=False)),
     "mistral-window": ("mistral", dict(num_hidden_layers=3, sliding_window=8, head_dim=32, num_key_value_heads=1)),
+    # 6 heads of 16 over a hidden size of 64: q and the attention output are 96 wide
+    "qwen2-head-dim-not-hidden-over-heads": ("qwen2", dict(num_attention_heads=6, head_dim=16, tie_word_embeddings=False)),
 }
 # transformers saves the window's layers as `layer_types`; without it kiec reads max_window_layers itself
 CASES["qwen2-window-max-window-layers"] = CASES["qwen2-window-upper-layers"]

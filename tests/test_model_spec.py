@@ -462,3 +462,23 @@ def test_a_laneformer_s_lane_count_is_named_where_it_came_from(tmp_path):
     folder = _folder_with_config(tmp_path, "lf", "laneformer-2b", num_lanes=3)
     assert _error(str(folder)).field == "config.num_lanes"
     assert _error(_spec_dict(folder, lanes=3)).field == "lanes"
+
+
+def test_missing_window_keys_are_transformers_defaults(tmp_path):
+    # qwen2's max_window_layers 28 (layers from 28 on slide), mistral's sliding_window 4096; null: no window
+    qwen = _folder_with_config(tmp_path, "q", "tiny-qwen2", num_hidden_layers=30, use_sliding_window=True,
+                               sliding_window=5, max_window_layers=..., layer_types=...)
+    cfg = load_spec(str(qwen)).config
+    assert cfg.sliding_window == 5 and cfg.window_layers == tuple(i >= 28 for i in range(30))
+    mistral = load_spec(str(_folder_with_config(tmp_path, "m", "tiny-mistral", sliding_window=...))).config
+    assert mistral.sliding_window == 4096 and all(mistral.window_layers)
+    assert load_spec(str(_folder_with_config(tmp_path, "n", "tiny-mistral", sliding_window=None))).config.sliding_window == 0
+
+
+def test_a_head_dim_given_need_not_divide_the_hidden_size(tmp_path):
+    cfg = load_spec(str(_folder_with_config(tmp_path, "q", "tiny-qwen2", hidden_size=64, num_attention_heads=6,
+                                            num_key_value_heads=2, head_dim=16))).config
+    assert (cfg.hidden, cfg.head_dim, cfg.q_dim) == (64, 16, 96)
+    err = _error(str(_folder_with_config(tmp_path, "n", "tiny-qwen2", hidden_size=64, num_attention_heads=6,
+                                         num_key_value_heads=2, head_dim=...)))
+    assert err.field == "config.hidden_size" and "or a head_dim" in err.expected
