@@ -160,12 +160,24 @@ def time_torch_peers(spec, checkpoint, options: BenchOptions, rng, log, found) -
     import torch
     from .baselines.torch_decode import GraphedStep, TorchDecoder, compile_step, time_replays
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
-    decoder = TorchDecoder(spec, checkpoint, options.contexts[0] + options.steps, device="cuda", dtype=dtype)
+    built = peer_row(lambda: {"decoder": TorchDecoder(spec, checkpoint, options.contexts[0] + options.steps,
+                                                     device="cuda", dtype=dtype)})
+    if "not_run" in built:              # every torch row says why, at every context
+        for context in options.contexts:
+            compiles = options.compile_peer and context in (options.compile_at or options.contexts)
+            for name in ("torch graph",) + (("torch.compile graph",) if compiles else ()):
+                found(context, name, built)
+        return
+    decoder = built["decoder"]
     compiled = compile_step(decoder) if options.compile_peer else None
     for context in options.contexts:
-        decoder.resize_cache(context + options.steps)    # attention reads the whole static cache
+        resized = peer_row(lambda: decoder.resize_cache(context + options.steps) or {})  # attention reads the whole static cache
         compiles = compiled is not None and context in (options.compile_at or options.contexts)
         steps = [("torch graph", decoder)] + ([("torch.compile graph", compiled)] if compiles else [])
+        if "not_run" in resized:
+            for name, _ in steps:
+                found(context, name, resized)
+            continue
         for name, step in steps:
             log(f"{name} at context {context}" + (" (compiling, autotuning)" if step is compiled else ""))
             token = int(rng.integers(spec.config.vocab))
@@ -233,7 +245,7 @@ def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None
     if prefill and "kiec" in prefill and options.peers:
         from .bench_prefill import time_torch_prefill
         log("torch batched prefill")
-        prefill["torch"] = time_torch_prefill(spec, checkpoint, options.prompts, rng)
+        prefill["torch"] = peer_row(lambda: time_torch_prefill(spec, checkpoint, options.prompts, rng))
     raw["prefill"] = prefill
     save(raw)
     if options.peers:

@@ -91,11 +91,14 @@ def summarize_prefill(raw: dict) -> dict:
         floor_ms = 2 * params * n / rate["flops_per_s"] * 1e3
         row = {"tokens": n, **k, "prefill_tok_s": (n - 1) / k["prefill_ms"] * 1e3 if k["prefill_ms"] else None,
                "floor_ms": floor_ms, "floor_share": floor_ms / k["ttft_ms"]}
-        if torch_rows and n in torch_rows:
+        if torch_rows and "not_run" not in torch_rows and n in torch_rows:
             row["torch_ttft_ms"] = torch_rows[n]["ttft_ms"]
             row["speedup_vs_torch"] = torch_rows[n]["ttft_ms"] / k["ttft_ms"]
         rows.append(row)
-    return {"matrix_rate": rate, "layer_matrix_params": params, "rows": rows}
+    out = {"matrix_rate": rate, "layer_matrix_params": params, "rows": rows}
+    if torch_rows and "not_run" in torch_rows:
+        out["torch_not_run"] = torch_rows["not_run"]
+    return out
 
 
 def format_prefill(summary: dict) -> list:
@@ -111,4 +114,6 @@ def format_prefill(summary: dict) -> list:
         tok_s = f"{r['prefill_tok_s']:>15.0f}" if r["prefill_tok_s"] else f"{'-':>15}"
         lines.append(f"{r['tokens']:>7}{r['ttft_ms']:>10.2f}{r['prefill_ms']:>12.2f}{tok_s}{r['floor_ms']:>10.2f}"
                      f"{100 * r['floor_share']:>8.1f}%{torch_ms}{speedup}")
+    if "torch_not_run" in summary:
+        lines.append(f"torch prefill not run: {summary['torch_not_run']}")
     return lines

@@ -349,8 +349,39 @@ def test_time_kiec_reports_medians_one_launch_per_step_and_per_sequence():
             return float(self.n)
 
     fake = Fake()
-    out = time_kiec(fake, 128, 5, np.random.default_rng(0))
+    ticks = iter(range(0, 1000, 2))                 # the host's clock: 2 ms from each launch to its finish
+    out = time_kiec(fake, 128, 5, np.random.default_rng(0), clock=lambda: next(ticks) / 1e3)
     # a warm-up of the whole sequence, 5 single steps at positions 128..132, 3 whole sequences
     assert fake.launches == [(1, 5, 128)] + [(1, 1, 128 + i) for i in range(5)] + [(1, 5, 128)] * 3
-    assert out["kiec per-step"] == {"ms_per_token": 3.0, "launches": 5}          # the median of 1..5
+    # per step: what the host loop pays (2 ms by its clock), the kernel's median of 1..5 beside it
+    assert out["kiec per-step"] == {"ms_per_token": 2.0, "kernel_ms_per_token": 3.0, "launches": 5}
     assert out["kiec per-sequence"] == {"ms_per_token": 1.0, "launches": 3, "steps_per_launch": 5}
+
+
+def test_torch_peers_that_cannot_be_built_are_rows_that_say_so(monkeypatch):
+    """The peers are other people's code: a decoder that fails to build (an old torch, out of memory)
+    is a `not_run` row for each torch measurement at each context, not a run stopped before its table."""
+    pytest.importorskip("torch")
+    import kiec.baselines.torch_decode as torch_decode
+    from kiec.bench import time_torch_peers
+    from kiec.model import load_spec
+    from kiec.synthetic import preset
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory\nmore detail")
+    monkeypatch.setattr(torch_decode, "TorchDecoder", broken)
+    spec = load_spec({"weights": ".", "config": preset("tiny-llama"), "max_seq_len": 64})
+    rows = []
+    time_torch_peers(spec, None, BenchOptions(contexts=(16, 32), steps=4, compile_at=(16,)), np.random.default_rng(0),
+                     lambda message: None, lambda context, name, row: rows.append((context, name, row)))
+    assert [(c, n) for c, n, _ in rows] == [(16, "torch graph"), (16, "torch.compile graph"), (32, "torch graph")]
+    assert all(row == {"not_run": "failed: RuntimeError: CUDA out of memory"} for _, _, row in rows)
+
+
+def test_a_torch_prefill_that_failed_is_said_under_the_table():
+    from kiec.bench_prefill import format_prefill, summarize_prefill
+    raw = {"matrix_rate": {"flops_per_s": 5e14, "size": 8192}, "layer_matrix_params": 1e9,
+           "kiec": {512: {"ttft_ms": 10.0, "prefill_ms": 9.0}}, "torch": {"not_run": "failed: TypeError: enable_gqa"}}
+    summary = summarize_prefill(raw)
+    assert "torch_ttft_ms" not in summary["rows"][0] and summary["torch_not_run"] == "failed: TypeError: enable_gqa"
+    assert format_prefill(summary)[-1] == "torch prefill not run: failed: TypeError: enable_gqa"
