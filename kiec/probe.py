@@ -6,6 +6,7 @@ import importlib.util
 import numpy as np
 
 from .codegen import _env
+from .errors import KiecError
 from .targets import get_target
 from .toolchain import build, source_key
 
@@ -28,9 +29,13 @@ def build_probe(target_name: str = "cuda:sm_90", folder=None, threads: int = 512
     return module
 
 
-def read_bandwidth(nbytes: int = 2_470_000_000, iterations: int = 20, **kw) -> dict:
-    """Median and best bytes/s of a full read of `nbytes` (rounded to 16 bytes)."""
+def read_bandwidth(nbytes: int = 2_470_000_000, iterations: int = 20, reads_per_event: int = 1, **kw) -> dict:
+    """Median and best bytes/s of a full read of `nbytes` (rounded to 16 bytes), each timed alone or, with
+    `reads_per_event`, that many back to back between one pair of events (per read: the launch's latency
+    then falls out of each read's time; PERF, the twelfth session, estimates 1%)."""
     nbytes -= nbytes % 16
-    ms = np.array(build_probe(**kw).read(nbytes, iterations))
-    return {"bytes": nbytes, "median_ms": float(np.median(ms)), "best_ms": float(ms.min()),
+    if reads_per_event < 1:
+        raise KiecError("reads_per_event", reads_per_event, "1 or more reads between one pair of events")
+    ms = np.array(build_probe(**kw).read(nbytes, iterations, reads_per_event))
+    return {"bytes": nbytes, "reads_per_event": reads_per_event, "median_ms": float(np.median(ms)), "best_ms": float(ms.min()),
             "median_bps": nbytes / (np.median(ms) * 1e-3), "best_bps": nbytes / (ms.min() * 1e-3)}

@@ -385,3 +385,10 @@ def test_a_torch_prefill_that_failed_is_said_under_the_table():
     summary = summarize_prefill(raw)
     assert "torch_ttft_ms" not in summary["rows"][0] and summary["torch_not_run"] == "failed: TypeError: enable_gqa"
     assert format_prefill(summary)[-1] == "torch prefill not run: failed: TypeError: enable_gqa"
+
+
+def test_the_probe_takes_one_or_more_reads_between_its_events():
+    from kiec.errors import KiecError
+    from kiec.probe import read_bandwidth
+    with pytest.raises(KiecError, match="reads_per_event: got 0"):
+        read_bandwidth(reads_per_event=0)          # refused before anything is built
