@@ -139,9 +139,11 @@ PROFILE_AT = 200        # the position of the profile's launch, and of the 8-ste
 
 
 def time_round(backend, max_seq_len: int, positions: tuple = ()) -> dict:
-    """One round of ms/token: single-step launches (one per step) and one 256-step launch (one per
-    sequence) at short context, 8-step launches at the profile's position, 64 steps at context 8192,
-    and an 8-step launch starting at each of `positions` that the model's length allows."""
+    """One round of ms/token, by the kernel's event times (builds compare without the host's share;
+    `kiec bench` times a step as the host pays it): single-step launches (one per step) at positions
+    16-30 and one 256-step launch from 128 (one per sequence), 8-step launches at the profile's position,
+    the 64 steps before context 8192, and an 8-step launch starting at each of `positions` that the
+    model's length allows."""
     per_step = []
     for i in range(15):
         backend._launch([1 + i], 1, 16 + i)
@@ -207,7 +209,7 @@ def time_builds(builds: dict, rounds: int, out_dir: Path | None, log, positions:
                                f"{prof['step_us']:.1f} us against {1e3 * res['ms_per_token_8_steps']:.1f} a step unprofiled, "
                                f"{100 * res['profile_overhead']:+.1f}%):\n" + format_summary(prof))
         log(f"{label}: {res['ms_per_token_one_launch']:.4f} ms/token one launch, "
-            f"{res['ms_per_token_launch_per_step']:.4f} one launch per step (medians of {rounds} rounds)")
+            f"{res['ms_per_token_launch_per_step']:.4f} one launch per step, the kernel's time (medians of {rounds} rounds)")
         swept = [f"{p}: {res[f'ms_per_token_at_{p}']:.4f}" for p in positions if f"ms_per_token_at_{p}" in res]
         if swept:
             log(f"  ms/token of 8-step launches from position {', '.join(swept)}")
