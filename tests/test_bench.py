@@ -392,3 +392,46 @@ def test_the_probe_takes_one_or_more_reads_between_its_events():
     from kiec.probe import read_bandwidth
     with pytest.raises(KiecError, match="reads_per_event: got 0"):
         read_bandwidth(reads_per_event=0)          # refused before anything is built
+
+
+def test_a_torch_cache_that_cannot_be_resized_is_a_row_at_that_context(monkeypatch):
+    pytest.importorskip("torch")
+    import kiec.baselines.torch_decode as torch_decode
+    from kiec.bench import time_torch_peers
+    from kiec.model import load_spec
+    from kiec.synthetic import preset
+
+    class Decoder:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def resize_cache(self, max_seq):
+            if max_seq > 100:
+                raise RuntimeError("CUDA out of memory")
+    timed = []
+    monkeypatch.setattr(torch_decode, "TorchDecoder", Decoder)
+    monkeypatch.setattr(torch_decode, "compile_step", lambda decoder: decoder)
+    monkeypatch.setattr(torch_decode, "GraphedStep", lambda step, decoder: step)
+    monkeypatch.setattr(torch_decode, "time_replays", lambda step, token, context, steps: timed.append(context) or
+                        {"ms_per_token": 1.0})
+    spec = load_spec({"weights": ".", "config": preset("tiny-llama"), "max_seq_len": 256})
+    rows = []
+    time_torch_peers(spec, None, BenchOptions(contexts=(16, 128), steps=4, compile_peer=False), np.random.default_rng(0),
+                     lambda message: None, lambda context, name, row: rows.append((context, name, row)))
+    assert rows == [(16, "torch graph", {"ms_per_token": 1.0}),
+                    (128, "torch graph", {"not_run": "failed: RuntimeError: CUDA out of memory"})]
+    assert timed == [16]
+
+
+def test_the_probe_passes_its_reads_per_event_on(monkeypatch):
+    import kiec.probe as probe
+    asked = []
+
+    class Probe:
+        @staticmethod
+        def read(nbytes, iterations, reads):
+            asked.append((nbytes, iterations, reads))
+            return [2.0] * iterations
+    monkeypatch.setattr(probe, "build_probe", lambda **kw: Probe)
+    out = probe.read_bandwidth(nbytes=1_000_000, iterations=3, reads_per_event=4)
+    assert asked == [(1_000_000, 3, 4)] and out["reads_per_event"] == 4 and out["best_bps"] == 1_000_000 / 2e-3

@@ -91,6 +91,14 @@ def test_completion_equals_the_engine(client, engine):
     assert got.usage.completion_tokens == len(tokens)
 
 
+def test_top_p_zero_draws_the_greedy_text(client, engine):
+    # OpenAI's top_p is in [0, 1]: 0 keeps the most probable token, whatever the temperature
+    want, _, _ = expected(engine, engine.encode("Once upon a time"), max_tokens=8)
+    got = client.completions.create(model=TINY_NAME, prompt="Once upon a time", max_tokens=8, temperature=1.5,
+                                    top_p=0, seed=7)
+    assert got.choices[0].text == want
+
+
 def test_completion_stream_carries_the_same_text(client, engine):
     want, finish, _ = expected(engine, engine.encode("Once upon a time"), max_tokens=12)
     stream = client.completions.create(model=TINY_NAME, prompt="Once upon a time", max_tokens=12,
@@ -358,6 +366,20 @@ def test_the_worker_logs_a_gpu_failure_and_not_a_bad_request(caplog):
         caplog.clear()
         asyncio.run(run(error))
         assert ("engine failed" in caplog.text) == (status == 500), (error, caplog.text)
+
+
+def test_the_request_log_says_failed_and_the_status_sent(caplog):
+    import logging
+    from types import SimpleNamespace
+    from kiec.runtime.server import _log_request
+    request = SimpleNamespace(method="POST", url=SimpleNamespace(path="/v1/completions"))
+    job = SimpleNamespace(stats=None, queued_s=0.001, cancelled=threading.Event())
+    reply = SimpleNamespace(id="cmpl-1", finish_reason=None)
+    with caplog.at_level(logging.INFO, logger="kiec"):
+        _log_request(request, job, reply, 500, True)
+        _log_request(request, job, reply, 200, False)
+    assert "POST /v1/completions 500 cmpl-1 failed" in caplog.text
+    assert "POST /v1/completions 200 cmpl-1 cancelled" in caplog.text
 
 
 def test_a_body_cut_short_by_its_client_is_a_plain_error():

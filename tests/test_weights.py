@@ -737,3 +737,11 @@ def test_smollm2_gguf_weights_equal_transformers(smollm2_gguf, smollm2_hf, one_g
     for canon, hf_name in names.items():
         want = state[hf_name].detach().numpy()
         np.testing.assert_allclose(ckpt.get(canon), want, rtol=0, atol=1e-6, err_msg=canon)
+
+
+def test_a_gguf_in_upper_case_loads_its_weights_as_the_lower_case_one(tiny_gguf, tmp_path):
+    # the loader, the weights and their names all read it as a GGUF, not only load_spec
+    upper = tmp_path / "TINY.GGUF"
+    upper.symlink_to(tiny_gguf)
+    lower, other = load_checkpoint(load_spec(str(tiny_gguf))), load_checkpoint(load_spec(str(upper)))
+    np.testing.assert_array_equal(other.get("layers.0.wq"), lower.get("layers.0.wq"))
