@@ -162,23 +162,26 @@ def time_torch_peers(spec, checkpoint, options: BenchOptions, rng, log, found) -
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
     built = peer_row(lambda: {"decoder": TorchDecoder(spec, checkpoint, options.contexts[0] + options.steps,
                                                      device="cuda", dtype=dtype)})
+
+    def names(context):
+        """The torch rows timed at `context`."""
+        compiles = options.compile_peer and context in (options.compile_at or options.contexts)
+        return ("torch graph",) + (("torch.compile graph",) if compiles else ())
     if "not_run" in built:              # every torch row says why, at every context
         for context in options.contexts:
-            compiles = options.compile_peer and context in (options.compile_at or options.contexts)
-            for name in ("torch graph",) + (("torch.compile graph",) if compiles else ()):
+            for name in names(context):
                 found(context, name, built)
         return
     decoder = built["decoder"]
     compiled = compile_step(decoder) if options.compile_peer else None
     for context in options.contexts:
         resized = peer_row(lambda: decoder.resize_cache(context + options.steps) or {})  # attention reads the whole static cache
-        compiles = compiled is not None and context in (options.compile_at or options.contexts)
-        steps = [("torch graph", decoder)] + ([("torch.compile graph", compiled)] if compiles else [])
         if "not_run" in resized:
-            for name, _ in steps:
+            for name in names(context):
                 found(context, name, resized)
             continue
-        for name, step in steps:
+        for name in names(context):
+            step = decoder if name == "torch graph" else compiled
             log(f"{name} at context {context}" + (" (compiling, autotuning)" if step is compiled else ""))
             token = int(rng.integers(spec.config.vocab))
             found(context, name, peer_row(lambda: time_replays(GraphedStep(step, decoder), token, context,

@@ -17,6 +17,12 @@ class DeviceError(KiecError):
     """The GPU kernel stopped itself (a bounded wait ran out) or a CUDA/HIP call failed."""
 
 
+def is_request_error(err: BaseException) -> bool:
+    """A KiecError about what was asked (the client's to mend); a DeviceError, or any other exception,
+    is the server's."""
+    return isinstance(err, KiecError) and not isinstance(err, DeviceError)
+
+
 def is_int(value) -> bool:
     """An int, not a bool: JSON's true and false are ints to Python, and a count or an index given as true
     must be refused, not read as 1."""

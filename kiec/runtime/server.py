@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ..errors import DeviceError, KiecError, is_int
+from ..errors import DeviceError, KiecError, is_int, is_request_error
 from .openai_request import ApiError, Served, parse_chat, parse_completion
 from .openai_response import Reply
 from .worker import EngineWorker, QueueFull
@@ -145,7 +145,7 @@ class OpenAIRoutes:
 
     async def failure(self, request, exc: Exception):
         log.exception("internal error on %s %s", request.method, request.url.path)
-        return _error(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
+        return _error(_engine_error(exc))
 
 
 def _json(body: dict, status: int = 200, headers=None):
@@ -201,12 +201,14 @@ async def _watch_disconnect(receive, job) -> None:
     job.cancel()
 
 
-def _engine_error(err: KiecError) -> ApiError:
-    """A generation's error as the client gets it: the request's fault (400, naming the field), or the
-    GPU's (500: a kernel that stopped itself is no reason for the client not to retry)."""
+def _engine_error(err: Exception) -> ApiError:
+    """An error as the client gets it: the request's fault (400, naming the field), or the server's (500:
+    a GPU kernel that stopped itself, or any other failure, is no reason for the client not to retry)."""
+    if is_request_error(err):
+        return ApiError(400, str(err), err.field)
     if isinstance(err, DeviceError):
         return ApiError(500, f"the GPU failed: {err}", kind="server_error")
-    return ApiError(400, str(err), err.field)
+    return ApiError(500, f"internal error: {type(err).__name__}", kind="server_error")
 
 
 async def _collect(job, reply: Reply, receive, done) -> dict:
@@ -252,14 +254,11 @@ class EventStream:
                     if self.job.cancelled.is_set():
                         return
                     await send(_event(self.reply.add(token)))
-            except KiecError as err:     # headers are gone: the error travels as an event
-                failed = True
-                await send(_event(_engine_error(err).body()))
             except OSError:
                 raise
-            except Exception as err:     # the engine failed (the worker logged it): an event too
+            except Exception as err:     # headers are gone: the error travels as an event (the worker logged the server's)
                 failed = True
-                await send(_event(ApiError(500, f"internal error: {type(err).__name__}", kind="server_error").body()))
+                await send(_event(_engine_error(err).body()))
             if self.include_usage:
                 await send(_event(self.reply.usage_chunk(self.job.stats)))
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})

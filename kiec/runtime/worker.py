@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 
-from ..errors import DeviceError, KiecError
+from ..errors import is_request_error
 
 log = logging.getLogger("kiec.serve")
 DONE = object()          # the end-of-job marker in a job's event queue
@@ -134,7 +134,7 @@ class EngineWorker:
                     return "cancelled"
             return "completed"
         except Exception as err:              # the job's client gets it; the worker goes on
-            if not isinstance(err, KiecError) or isinstance(err, DeviceError):     # not the request's fault
+            if not is_request_error(err):
                 log.exception("engine failed on a request")
             job._emit(err)
             return "failed"
