@@ -17,7 +17,13 @@ from pathlib import Path
 
 from . import __version__
 from .errors import KiecError, writable_folder
+from .locks import held
 from .targets import Target
+
+
+# read once, at import: sysconfig fills its table on first use, and fixtures build in threads, where
+# Python 3.11's first uses can race and read EXT_SUFFIX as None
+EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
 
 
 @dataclass
@@ -83,19 +89,22 @@ build {module_file}: link kernel.o module.o
 
 
 def build(files: dict, target: Target, folder: Path, module_name: str, quiet: bool = False) -> Build:
-    write_sources(folder, files)
-    module_file = module_name + sysconfig.get_config_var("EXT_SUFFIX")
-    headers = sorted(name for name in files if name.endswith(".h"))
-    (folder / "build.ninja").write_text(ninja_file(target, module_file, headers))
-    ninja = shutil.which("ninja") or _ninja_from_package()
-    cmd = [ninja, "-C", str(folder)]
-    if not quiet:
-        print(f"[kiec] building {folder / module_file}", file=sys.stderr)
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    writable_folder("build folder", folder)
+    module_file = module_name + EXT_SUFFIX
+    # another process building this folder (the same sources) holds it until its ninja is done
+    with held(folder / ".lock", None if quiet else f"waiting for another build of {folder}"):
+        write_sources(folder, files)
+        headers = sorted(name for name in files if name.endswith(".h"))
+        (folder / "build.ninja").write_text(ninja_file(target, module_file, headers))
+        ninja = shutil.which("ninja") or _ninja_from_package()
+        cmd = [ninja, "-C", str(folder)]
+        if not quiet:
+            print(f"[kiec] building {folder / module_file}", file=sys.stderr)
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        log = folder / "kernel.o.log"
+        report = resource_report(log.read_text()) if log.exists() else ""
     if run.returncode:
         raise KiecError("build", str(folder), "a clean compile", f"ninja failed:\n{run.stdout[-6000:]}{run.stderr[-2000:]}")
-    log = folder / "kernel.o.log"
-    report = resource_report(log.read_text()) if log.exists() else ""
     return Build(folder=folder, module_path=folder / module_file, module_name=module_name, report=report)
 
 

@@ -32,6 +32,8 @@ from kiec.golden import logit_errors
 from kiec.model import load_spec
 from kiec.synthetic import preset, write_random_model
 
+import once
+
 pytestmark = pytest.mark.gpu
 
 HF_MODELS = {"llama-3.2-1b": 1024, "qwen2.5-1.5b": 1024, "tiny-mistral": 512}
@@ -57,33 +59,33 @@ def laneformer(lanes: int) -> dict:
 def lane_built(tmp_path_factory):
     """A Llama-shaped model (4 layers) at every lane count, and laneformers of 2, 4 and 8 lanes."""
     from kiec.runtime.gpu import CompiledModel, device_multiprocessors
-    root = tmp_path_factory.mktemp("lanes")
-    llama = write_random_model(root / "llama", LANE_LLAMA, seed=21, dtype="bf16")
+    llama = once.random_model(tmp_path_factory, LANE_LLAMA, seed=21, dtype="bf16")
     specs = {("llama", n): load_spec({"weights": str(llama), "max_seq_len": 256, "lanes": n}) for n in LANE_COUNTS}
     for n in LANE_COUNTS[1:]:
-        folder = write_random_model(root / f"laneformer{n}", laneformer(n), seed=22, dtype="bf16")
+        folder = once.random_model(tmp_path_factory, laneformer(n), seed=22, dtype="bf16")
         specs[("laneformer", n)] = load_spec({"weights": str(folder), "max_seq_len": 256})
     sms = device_multiprocessors()
     with ThreadPoolExecutor(len(specs)) as pool:
-        jobs = {k: pool.submit(CompiledModel, s, sms, root / "build", True) for k, s in specs.items()}
+        jobs = {k: pool.submit(CompiledModel, s, sms, once.build_root(tmp_path_factory), True)
+                for k, s in specs.items()}
         return {k: (specs[k], job.result()) for k, job in jobs.items()}
 
 
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
-    """Every model of this file written to disk and compiled, the builds in parallel."""
+    """Every model of this file written to disk and compiled, the builds in parallel (once a run)."""
     from kiec.runtime.gpu import CompiledModel, device_multiprocessors
-    root = tmp_path_factory.mktemp("gpu")
     specs = {}
     for name, seq in HF_MODELS.items():
-        folder = write_random_model(root / name, name, seed=11, dtype="bf16")
+        folder = once.random_model(tmp_path_factory, name, seed=11, dtype="bf16")
         specs[name] = load_spec({"weights": str(folder), "max_seq_len": seq})
     for name, cfg in TWIN_SHAPES.items():
-        folder = write_random_model(root / name, cfg, seed=12, dtype="bf16")
+        folder = once.random_model(tmp_path_factory, cfg, seed=12, dtype="bf16")
         specs[name] = load_spec({"weights": str(folder), "max_seq_len": 512})
     sms = device_multiprocessors()
     with ThreadPoolExecutor(len(specs)) as pool:
-        jobs = {n: pool.submit(CompiledModel, s, sms, root / "build", True) for n, s in specs.items()}
+        jobs = {n: pool.submit(CompiledModel, s, sms, once.build_root(tmp_path_factory), True)
+                for n, s in specs.items()}
         return {n: (specs[n], job.result()) for n, job in jobs.items()}
 
 

@@ -24,7 +24,9 @@ import pytest
 from kiec.golden import logit_errors
 from kiec.model import load_spec
 from kiec.runtime.gpu import gpu_count
-from kiec.synthetic import preset, random_checkpoint, write_random_model
+from kiec.synthetic import preset, random_checkpoint
+
+import once
 from test_gpu import (LANE_LLAMA, hf_logits, laneformer, sequence_launch_selects_what_step_launches_select,
                       times_out_then_recovers)
 
@@ -46,22 +48,22 @@ def multi_built(tmp_path_factory):
     """Per L: the llama across L launches (compiled for each placement this machine can run), the same
     llama as one launch of L lanes, and a laneformer past(2) across L launches."""
     from kiec.runtime.gpu import CompiledModel, device_multiprocessors
-    root = tmp_path_factory.mktemp("multi")
-    llama = write_random_model(root / "llama", LANE_LLAMA, seed=31, dtype="bf16")
+    llama = once.random_model(tmp_path_factory, LANE_LLAMA, seed=31, dtype="bf16")
+    build = once.build_root(tmp_path_factory)
     sms = device_multiprocessors()
     jobs = {}
     with ThreadPoolExecutor(8) as pool:
         for n in LANES:
-            former = write_random_model(root / f"laneformer{n}", laneformer(n), seed=32, dtype="bf16")
+            former = once.random_model(tmp_path_factory, laneformer(n), seed=32, dtype="bf16")
             spread_sms = sms if gpu_count() >= n else None
             for placement, share in (("shared", sms // n), ("spread", spread_sms)):
                 if share is None:
                     continue
                 for name, folder in (("llama", llama), ("laneformer", former)):
                     spec = load_spec({"weights": str(folder), "max_seq_len": 256, "lanes": n, "gpus": n})
-                    jobs[(name, placement, n)] = (spec, pool.submit(CompiledModel, spec, share, root / "build", True))
+                    jobs[(name, placement, n)] = (spec, pool.submit(CompiledModel, spec, share, build, True))
             spec = load_spec({"weights": str(llama), "max_seq_len": 256, "lanes": n})
-            jobs[("llama", "one-launch", n)] = (spec, pool.submit(CompiledModel, spec, sms, root / "build", True))
+            jobs[("llama", "one-launch", n)] = (spec, pool.submit(CompiledModel, spec, sms, build, True))
         return {key: (spec, job.result()) for key, (spec, job) in jobs.items()}
 
 

@@ -18,7 +18,9 @@ import pytest
 
 from kiec.golden import logit_errors, rel_err
 from kiec.model import load_spec
-from kiec.synthetic import preset, write_random_model
+from kiec.synthetic import preset
+
+import once
 
 pytestmark = pytest.mark.gpu
 
@@ -41,14 +43,13 @@ MODELS = {
 def prefill_built(tmp_path_factory):
     from kiec.options import CompileOptions
     from kiec.runtime.gpu import CompiledModel, device_multiprocessors
-    root = tmp_path_factory.mktemp("prefill")
     specs = {}
     for name, (cfg, seq, _, _) in MODELS.items():
-        folder = write_random_model(root / name, cfg, seed=31, dtype="bf16")
+        folder = once.random_model(tmp_path_factory, cfg, seed=31, dtype="bf16")
         specs[name] = load_spec({"weights": str(folder), "max_seq_len": seq})
     sms = device_multiprocessors()
     with ThreadPoolExecutor(len(specs)) as pool:
-        jobs = {n: pool.submit(CompiledModel, s, sms, root / "build", True,
+        jobs = {n: pool.submit(CompiledModel, s, sms, once.build_root(tmp_path_factory), True,
                                options=CompileOptions(prefill_chunk=MODELS[n][2])) for n, s in specs.items()}
         return {n: (specs[n], job.result()) for n, job in jobs.items()}
 
