@@ -23,11 +23,15 @@ def held(lock_file: Path, waiting: str | None = None):
         raise KiecError("lock file", str(lock_file), "a file kiec can create and write", err.strerror) from None
     with f:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if waiting:
-                print(f"[kiec] {waiting}", file=sys.stderr)
-            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if waiting:
+                    print(f"[kiec] {waiting}", file=sys.stderr)
+                fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as err:          # a file system that takes no locks (some FUSE mounts), no locks left
+            raise KiecError("lock file", str(lock_file), "a file on a file system that takes locks (flock)",
+                            err.strerror) from None
         try:
             yield
         finally:

@@ -93,9 +93,9 @@ def build(files: dict, target: Target, folder: Path, module_name: str, quiet: bo
     module_file = module_name + EXT_SUFFIX
     # another process building this folder (the same sources) holds it until its ninja is done
     with held(folder / ".lock", None if quiet else f"waiting for another build of {folder}"):
-        write_sources(folder, files)
         headers = sorted(name for name in files if name.endswith(".h"))
-        (folder / "build.ninja").write_text(ninja_file(target, module_file, headers))
+        # written only where changed, as the sources are: a dump copied from the folder meanwhile stays whole
+        write_sources(folder, dict(files, **{"build.ninja": ninja_file(target, module_file, headers)}))
         ninja = shutil.which("ninja") or _ninja_from_package()
         cmd = [ninja, "-C", str(folder)]
         if not quiet:

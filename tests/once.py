@@ -20,7 +20,8 @@ from kiec.synthetic import write_random_model
 
 
 def run_folder(tmp_path_factory) -> Path:
-    """A folder every worker of this run shares (a worker's base folder is the run's, one level down)."""
+    """A folder every worker of this run shares (a local xdist worker's base folder is the run's, one
+    level down); conftest's pytest_sessionfinish removes it when the run ends."""
     base = tmp_path_factory.getbasetemp()
     folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "once"
     folder.mkdir(exist_ok=True)

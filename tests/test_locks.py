@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +63,12 @@ def test_a_shared_model_is_written_once(tmp_path_factory):
     assert once.random_model(tmp_path_factory, "tiny-llama", 5, "fp32") == folders[0]
     assert (folders[0] / "model.safetensors").stat().st_mtime_ns == written
     assert once.random_model(tmp_path_factory, "tiny-llama", 6, "fp32") != folders[0]
+
+
+def test_the_runs_shared_folder_goes_when_the_run_ends(tmp_path):
+    repo = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path}",
+                          "tests/test_locks.py::test_a_shared_model_is_written_once"],
+                         cwd=repo, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-2000:]
+    assert tmp_path.exists() and not (tmp_path / "once").exists()
