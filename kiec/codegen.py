@@ -94,6 +94,12 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
         groups = sync[f"lane.group.{prev.index}.0"][0]
         tickets = sync[f"lane.ticket.{s.index}.0"][0]
     layer_prefix = f"lane.layers.{s.layer}."
+    # StageDesc holds a norm's and a bias's lane-relative offsets in 32 bits (the matrices' in 64)
+    for name in (norm, "qkv_bias" if s.attr("bias") else None):
+        if name and w[layer_prefix + name][0] >= 1 << 32:
+            raise KiecError("model", f"{w['__lane_stride'][0] / 2**30:.2f} GiB of weights a lane",
+                            "at most 4 GiB a lane before its last layer's norm weights (the kernel addresses them "
+                            "with 32-bit offsets)", "split it over more lanes (`lanes`)")
     return dict(
         index=s.index, kind=s.kind, layer=s.layer, comment=STAGE_KINDS[s.kind],
         kind_const="STAGE_" + s.kind.upper(), layer_value=s.layer if s.layer is not None else "NONE",

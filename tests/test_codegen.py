@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 
+from kiec.errors import KiecError
 from kiec.ir.schedule import STAGE_KINDS
 from kiec.model import load_spec
 from kiec.options import CompileOptions
@@ -194,3 +195,13 @@ def test_marked_attention_constants_follow_the_level(tmp_path, text, changes, at
     kernel = files["kernel.hip"]
     assert f"constexpr bool ATTENTION_MARKED = {str(attention_marked).lower()};" in kernel
     assert f"constexpr bool QKV_MARKED = {str(qkv_marked).lower()};" in kernel
+
+
+def test_a_lane_past_4_gib_before_its_last_norms_is_refused_by_name(tmp_path):
+    # Llama-1B's shape at 40 layers: 4.9 GB a lane, layer 36's norm weights past 2**32 bytes, where
+    # StageDesc's 32-bit offsets would wrap; two lanes halve it
+    (tmp_path / "config.json").write_text(json.dumps(preset("llama-3.2-1b", num_hidden_layers=40)))
+    spec = load_spec({"weights": str(tmp_path), "max_seq_len": 256}).replace(target="cuda:sm_90")
+    with pytest.raises(KiecError, match="GiB of weights a lane.*32-bit offsets"):
+        render_sources(spec, 132)
+    render_sources(spec.replace(lanes=2), 132)
