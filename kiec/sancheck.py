@@ -1,7 +1,7 @@
 """A small run of the monokernel for compute-sanitizer: `compute-sanitizer --tool memcheck python -m kiec.sancheck`.
 
-Random tiny weights in memory, a few single-step launches, one multi-step launch; exits non-zero
-if anything the kernel returns is not finite.
+Random tiny weights in memory (a preset, its config changed by `--set`), a few single-step launches,
+one multi-step launch; exits non-zero if anything the kernel returns is not finite.
 """
 from __future__ import annotations
 
@@ -17,12 +17,20 @@ import numpy as np
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny-llama")
+    ap.add_argument("--set", default="", help="config changes to the preset, e.g. 'hidden_size=1536,num_hidden_layers=1'")
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args(argv)
     from .model import load_spec
     from .runtime.gpu import GpuBackend
     from .synthetic import preset, random_checkpoint
-    cfg = preset(args.preset)
+    changes = {}
+    for part in filter(None, args.set.split(",")):
+        key, _, value = part.partition("=")
+        try:
+            changes[key.strip()] = int(value)
+        except ValueError:
+            ap.error(f"--set {key.strip()}: got {value!r}; expected an integer")
+    cfg = preset(args.preset, **changes)
     folder = Path(tempfile.mkdtemp(prefix="kiec-sancheck-"))
     (folder / "config.json").write_text(json.dumps(cfg))
     spec = load_spec({"weights": str(folder), "max_seq_len": 256})

@@ -146,7 +146,9 @@ def test_laneformer_2b_past2_at_8_lanes_matches_the_reference(tmp_path, placemen
     checkpoint = random_checkpoint(config, 41)            # in memory: 4.6 GB of bf16 not written out
     former = GpuBackend(spec, quiet=True, checkpoint=checkpoint, devices=devices)
     graph = former.compiled.graph
-    tokens = [int(t) for t in np.random.default_rng().integers(spec.config.vocab, size=24)]
+    # 64 steps, as the other goldens: 98% argmax agreement then allows one near-tie to flip (24 allowed none,
+    # and one flipped at 3.6e-3 relative error on an H100)
+    tokens = [int(t) for t in np.random.default_rng().integers(spec.config.vocab, size=64)]
     former.poison()
     got = former.teacher_forced(tokens, 0)
     del former

@@ -146,7 +146,7 @@ def test_bad_prefill_input_is_an_error_naming_it(prefill_built):
     gpu = backend(prefill_built, "tiny-mistral-window16")
     with pytest.raises(KiecError, match="max_seq_len"):
         gpu.prefill([1] * 10, spec.max_seq_len - 5)
-    with pytest.raises(RuntimeError, match="prompt token 300 at index 2"):
+    with pytest.raises(KiecError, match=r"token: got 300; expected token ids in \[0, 300\)"):   # before any launch
         gpu.prefill([1, 2, 300], 0)
     assert np.all(np.isfinite(gpu.forward(prompt(spec, 20), 0)))     # and the instance still works
 

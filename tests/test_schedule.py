@@ -447,6 +447,24 @@ def test_tiles_need_a_target_that_has_them(models):
     assert all(s.gemv.stride >= 16 * TILE_COLS for s in wide.gemv_stages())  # a tile per warp in every row
 
 
+def test_slot_pairs_are_on_where_one_group_reads_at_most_4_tiles_a_warp(models):
+    """A pair holds two slots' loads in registers: on by default for tiled matrices read by one warp
+    group, 4 tiles a warp a slot at most; asked for elsewhere it is refused by name."""
+    cuda = spec_of(models["tiny-llama"], target="cuda:sm_90")
+    pairs = {text: build_schedule(cuda, options=CompileOptions.parse(text))[1].grid.slot_pairs
+             for text in ("", "slot_pairs=0", "slot_groups=2", "slot_bytes=32768", "gemv_tiles=0")}
+    assert pairs == {"": True, "slot_pairs=0": False, "slot_groups=2": False, "slot_bytes=32768": False,
+                     "gemv_tiles=0": False}
+    _, amd = build_schedule(spec_of(models["tiny-llama"], target="hip:gfx942"))
+    assert not amd.grid.slot_pairs
+    for text, why in (("slot_pairs=1,slot_groups=2", "in 2 groups"), ("slot_pairs=1,slot_bytes=32768", "32768 bytes"),
+                      ("slot_pairs=1,gemv_tiles=0", "not tiled")):
+        with pytest.raises(KiecError, match=why):
+            build_schedule(cuda, options=CompileOptions.parse(text))
+    with pytest.raises(KiecError, match="slot_pairs"):
+        CompileOptions.parse("slot_pairs=2")
+
+
 def test_tiled_order_is_the_kernel_s_and_round_trips():
     rows, stride = 13, 96                       # a last group of 5 rows, padded with zero rows
     m = np.arange(rows * stride, dtype=np.float32).reshape(rows, stride) + 1

@@ -14,6 +14,8 @@ Guarantees:
   (`Target.gemv_tiles`) for bf16 weights, rows for fp16, unless `gemv_tiles` overrides it; tiles need a target that has
   them; a tiled row has at least one tile per consumer warp, and a slot whole tiles for each
   warp reading it; with `slot_groups` warp groups the ring has a multiple of that many slots;
+  with one group and at most 4 tiles a warp in a slot, a warp takes two full slots in one go
+  where both are in (`slot_pairs`, on by default there);
 - an attention stage (head_dim a multiple of 8) has one tile per (KV head, split of positions), at
   most one tile per block of the lane: `splits` per KV head, at most (warps x head_dim - 1) / 2 so
   that the combine's weights fit where the warps' sums were. The split length is chosen per step from the
@@ -213,12 +215,19 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     if tiled and (slot_bytes // TILE_BYTES) % group_warps:
         raise KiecError("slot_bytes", slot_bytes, f"a multiple of {TILE_BYTES * group_warps} bytes: whole tiles "
                         f"for each of the {group_warps} warps reading a slot (tiled matrices)")
+    # two full slots taken in one go hold both slots' loads in registers at once: at most 4 tiles a warp each
+    pairs_fit = tiled and slot_groups == 1 and slot_bytes // TILE_BYTES // group_warps <= 4
+    if options.slot_pairs and not pairs_fit:
+        raise KiecError("slot_pairs", options.slot_pairs, "0 where the matrices are not tiled, the warps read the slots "
+                        f"in {slot_groups} groups or a slot holds more than 4 tiles a warp ({slot_bytes} bytes, "
+                        f"{group_warps} warps)")
     grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
                 slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices,
                 producer_warps=target.producer_warps,
                 reduce_batch=options.reduce_batch or 8, warp_release=bool(options.warp_release),
                 timing_only=options.timing_only or 0, slot_groups=slot_groups,
                 tile_accumulators=options.tile_accumulators or 4,
+                slot_pairs=pairs_fit if options.slot_pairs is None else bool(options.slot_pairs),
                 copies_in_flight=min(target.copies_in_flight if options.copies_in_flight is None
                                      else options.copies_in_flight, slots),
                 producer_registers=producer_registers, consumer_registers=consumer_registers,
