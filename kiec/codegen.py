@@ -6,7 +6,6 @@ the kernel with its host C API, the C API header, and the pybind11 module.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from pathlib import Path
 
@@ -141,24 +140,6 @@ def primed_by(sched: Schedule, s) -> int | str:
     return "NONE"
 
 
-ROW_TABLE_ENTRIES = 8192     # TILE_GROUP0's 16-bit entries at most: 16 KiB of the 64 KiB constant bank
-
-
-def _row_table(sched: Schedule, stages: list) -> list:
-    """The first row group of every tile of the stages whose tiles differ (even_blocks), one entry past
-    each one's last tile; such a stage's rows_per_tile becomes ROW_TABLE and where its entries start."""
-    table = []
-    for entry, s in zip(stages, sched.stages):
-        if s.gemv is not None and s.gemv.tile_rows:
-            entry["rows_per_tile"] = f"ROW_TABLE | {len(table)}u"
-            table.extend(itertools.accumulate((-(-r // TILE_ROWS) for r in s.gemv.tile_rows), initial=0))
-    if len(table) > ROW_TABLE_ENTRIES or max(table, default=0) > 0xFFFF:
-        raise KiecError("even_blocks", f"{len(table)} tile entries up to row group {max(table)}",
-                        f"at most {ROW_TABLE_ENTRIES} entries of at most 65,535 row groups (the kernel's table of "
-                        f"unequal tiles): a model this deep or wide keeps equal tiles (even_blocks=0)")
-    return table
-
-
 def render(sched: Schedule, target: Target, module_name: str) -> dict:
     cfg = sched.config
     trace, trace_floats = trace_layout(sched)
@@ -169,7 +150,6 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
         if s.kind == "attention":
             entry["signals"] = len(group_signals)
             group_signals.extend(s.attr("group_signals"))
-    row_table = _row_table(sched, stages)
     att = next(s for s in sched.stages if s.kind == "attention")
     # the kernel's attention constants are the first attention stage's: every other must agree where it
     # changes what attn_out counts (_stage_entry reads each stage's own)
@@ -208,7 +188,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              s_h_marked=sy["lane.h_marked"][0], s_act_marked=sy["lane.act_marked"][0])
     context = dict(model=sched.model, version=__version__, target=target, grid=sched.grid, c=c, m=m,
                    stages=stages, stage_kinds=[(k, i) for i, k in enumerate(STAGE_KINDS)],
-                   group_signals=group_signals or [0], row_table=row_table, trace_floats=trace_floats, module_name=module_name,
+                   group_signals=group_signals or [0], trace_floats=trace_floats, module_name=module_name,
                    p=sched.prefill, prefill_off=cfg.get("prefill_off"))
     env = _env()
     return {

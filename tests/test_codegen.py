@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 
 import pytest
 
 from kiec.errors import KiecError
-from kiec.ir.schedule import STAGE_KINDS, TILE_ROWS
+from kiec.ir.schedule import STAGE_KINDS
 from kiec.model import load_spec
 from kiec.options import CompileOptions
 from kiec.pipeline import render_sources
@@ -206,34 +205,3 @@ def test_a_lane_past_4_gib_before_its_last_norms_is_refused_by_name(tmp_path):
     with pytest.raises(KiecError, match="GiB of weights a lane.*32-bit offsets"):
         render_sources(spec, 132)
     render_sources(spec.replace(lanes=2), 132)
-
-
-def test_unequal_gate_up_tiles_reach_the_kernel_as_a_table(tmp_path):
-    """even_blocks: each uneven stage's rows_per_tile names where its tiles' first row groups start in
-    TILE_GROUP0 (one entry past its last tile); the default kernel has no table; the kernel compiles
-    without spills; a model too deep for the table is refused by name."""
-    (tmp_path / "config.json").write_text(json.dumps(preset("qwen2.5-1.5b", num_hidden_layers=2, vocab_size=8192)))
-    spec = load_spec({"weights": str(tmp_path), "max_seq_len": 256}).replace(target="cuda:sm_90")
-    _, plain, files, _ = render_sources(spec, 132)
-    assert "TILE_GROUP0" not in files["kernel.hip"] and "ROW_TABLE" not in files["kernel.hip"]
-    _, sched, files, _ = render_sources(spec, 132, options=CompileOptions.parse("even_blocks=100"))
-    kernel = files["kernel.hip"]
-    table = [int(v) for v in re.search(r"TILE_GROUP0\[\d+\] = \{ ([\d, ]+) \}", kernel).group(1).split(", ")]
-    at = 0
-    for s in sched.stages:
-        rows = s.gemv.tile_rows if s.gemv is not None else ()
-        if not rows:
-            continue
-        assert f"ROW_TABLE | {at}u" in kernel
-        starts = table[at:at + s.tiles + 1]
-        assert starts[0] == 0 and [b - a for a, b in zip(starts, starts[1:])] == [-(-r // TILE_ROWS) for r in rows]
-        at += s.tiles + 1
-    assert at == len(table) == 2 * (132 + 1)
-    if shutil.which("nvcc"):
-        assert "0 bytes spill stores" in check(files, get_target("cuda:sm_90"), tmp_path / "build")
-    # 66 layers of 125 uneven gate_up tiles: 8,316 entries (3.4 GB of weights: under the lane's 4 GiB)
-    (tmp_path / "config.json").write_text(json.dumps(preset("qwen2.5-1.5b", num_hidden_layers=66, intermediate_size=4480,
-                                                                      vocab_size=8192)))
-    deep = load_spec({"weights": str(tmp_path), "max_seq_len": 256}).replace(target="cuda:sm_90")
-    with pytest.raises(KiecError, match="even_blocks.*8192 entries"):
-        render_sources(deep, 132, options=CompileOptions.parse("even_blocks=100"))

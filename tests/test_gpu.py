@@ -229,7 +229,7 @@ LM_PASSES = preset("llama-3.2-1b", hidden_size=1024, num_hidden_layers=2, num_at
 def default_against(tmp_path, cfg: dict, seed: int, variant: str):
     """A random model built by default and with `variant` (compile options), both teacher-forced over the
     same 40 fresh tokens from poisoned outputs; each build's launch of many steps must select what its
-    launches of one step select. Returns the builds and the logits, by options text, and the tokens."""
+    launches of one step select. Returns the builds and the logits, by options text."""
     from kiec.options import CompileOptions
     from kiec.runtime.gpu import CompiledModel, GpuBackend, device_multiprocessors
     spec = load_spec({"weights": str(write_random_model(tmp_path / "m", cfg, seed=seed, dtype="bf16")), "max_seq_len": 256})
@@ -247,7 +247,7 @@ def default_against(tmp_path, cfg: dict, seed: int, variant: str):
         sequence_launch_selects_what_step_launches_select(backend)
         del backend
     assert all(np.all(np.isfinite(v)) for v in logits.values())
-    return built, logits, tokens
+    return built, logits
 
 
 def test_the_lm_head_in_passes_changes_no_bit(tmp_path):
@@ -258,7 +258,7 @@ def test_the_lm_head_in_passes_changes_no_bit(tmp_path):
     timeout here: with every wait timing out a launch stops before the LM head, so its passes'
     barriers are not reached, and on an H100 this model's launches had no wait long enough to time
     out at all (times_out_then_recovers)."""
-    built, logits, _ = default_against(tmp_path, LM_PASSES, 37, "lm_head_passes=1")
+    built, logits = default_against(tmp_path, LM_PASSES, 37, "lm_head_passes=1")
     lm = {v: next(s for s in b.sched.stages if s.kind == "lm_head").gemv for v, b in built.items()}
     assert lm[""].pass_rows < lm[""].rows_per_tile and built[""].sched.grid.slots > built["lm_head_passes=1"].sched.grid.slots
     assert np.array_equal(logits[""], logits["lm_head_passes=1"])
@@ -275,21 +275,9 @@ def test_slot_pairs_change_no_bit(tmp_path, name):
     """A warp taking two slots in one go makes the same products in the same order and writes the same
     row groups as one taking them one at a time, so the logits must be slot_pairs=0's bit for bit, and
     a launch of many steps must select what one launch a step selects."""
-    built, logits, _ = default_against(tmp_path, PAIR_SHAPES[name], 41, "slot_pairs=0")
+    built, logits = default_against(tmp_path, PAIR_SHAPES[name], 41, "slot_pairs=0")
     assert built[""].sched.grid.slot_pairs and not built["slot_pairs=0"].sched.grid.slot_pairs
     assert np.array_equal(logits[""], logits["slot_pairs=0"])
-
-
-def test_gate_up_tiles_of_unequal_rows_match_the_twin(tmp_path):
-    """even_blocks: Qwen-1.5B's gate_up tiles of 104-200 rows, read through the kernel's row table.
-    A tile now starts on another row group, so a row's products may go round the accumulators in
-    another order: close to the default build and to the twin, not bitwise."""
-    built, logits, tokens = default_against(tmp_path, PAIR_SHAPES["qwen-1.5b-rows"], 43, "even_blocks=100")
-    assert len(set(next(s for s in built["even_blocks=100"].sched.stages if s.kind == "gate_up").gemv.tile_rows)) > 1
-    spec = load_spec({"weights": str(tmp_path / "m"), "max_seq_len": 256})
-    for want in (logits[""], twin_logits(spec, built["even_blocks=100"], tokens)):
-        errs, agree = logit_errors(logits["even_blocks=100"], want)
-        assert errs.max() <= 1e-2 and agree >= 0.95, (errs.max(), agree)
 
 
 @pytest.mark.parametrize("lanes", LANE_COUNTS[1:])

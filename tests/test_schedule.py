@@ -447,49 +447,6 @@ def test_tiles_need_a_target_that_has_them(models):
     assert all(s.gemv.stride >= 16 * TILE_COLS for s in wide.gemv_stages())  # a tile per warp in every row
 
 
-def _block_bytes(sched, layer: int, per_lane: int) -> list:
-    """Bytes of a layer's GEMV tiles each block streams."""
-    carried = [0] * per_lane
-    for s in sched.gemv_stages():
-        if s.layer == layer:
-            for t in range(s.tiles):
-                carried[(t + s.attr("rotation")) % per_lane] += s.gemv.tile_span(t)[1] * s.gemv.stride * 2
-    return carried
-
-
-def test_even_blocks_gives_gate_up_rows_to_the_lighter_blocks(tmp_path):
-    """Qwen-1.5B's down and attn_out have 96 tiles for 132 blocks: with even_blocks the blocks carrying
-    them take fewer of gate_up's rows, in whole row groups, every row once, tiles in order; the heavier
-    the other stages are counted, the lighter the heaviest block. Nothing else moves."""
-    spec = load_spec(str(_config_only(tmp_path, "qwen2.5-1.5b", num_hidden_layers=3)), {"max_seq_len": 1024})
-    worst = {}
-    for percent in (0, 30, 100):
-        _, sched = build_schedule(spec, options=CompileOptions.parse(f"even_blocks={percent}"))
-        worst[percent] = max(max(_block_bytes(sched, layer, 132)) for layer in range(3))
-        if percent == 0:
-            plain = sched
-            continue
-        for s, p in zip(sched.stages, plain.stages):
-            if s.kind != "gate_up":
-                assert s == p
-                continue
-            rows = s.gemv.tile_rows
-            assert len(rows) == s.tiles == p.tiles and sum(rows) == s.gemv.rows
-            assert all(r % TILE_ROWS == 0 and r > 0 for r in rows) and s.gemv.rows_per_tile == max(rows)
-            assert len(set(rows)) > 1
-    assert worst[100] < worst[30] < worst[0]
-    assert worst[100] / worst[0] < 0.92          # 1.13x the mean before, 1.03x after
-    llama = load_spec(str(_config_only(tmp_path, "llama-3.2-1b", num_hidden_layers=2)), {"max_seq_len": 1024})
-    _, same = build_schedule(llama, options=CompileOptions.parse("even_blocks=100"))
-    assert all(not s.gemv.tile_rows for s in same.gemv_stages())   # no lighter heaviest block: tiles stay equal
-    with pytest.raises(KiecError, match="even_blocks.*with lanes"):
-        build_schedule(spec.replace(lanes=2), options=CompileOptions.parse("even_blocks=100"))
-    with pytest.raises(KiecError, match="not tiled"):
-        build_schedule(spec, options=CompileOptions.parse("even_blocks=100,gemv_tiles=0"))
-    with pytest.raises(KiecError, match="even_blocks"):
-        CompileOptions.parse("even_blocks=101")
-
-
 def test_slot_pairs_are_on_where_one_group_reads_at_most_4_tiles_a_warp(models):
     """A pair holds two slots' loads in registers: on by default for tiled matrices read by one warp
     group, 4 tiles a warp a slot at most; asked for elsewhere it is refused by name."""

@@ -39,7 +39,6 @@ class Gemv:
     rows_per_tile: int = 0  # set by schedule
     pass_rows: int = 0      # set by schedule: the rows whose partial sums the scratch holds at once (a tile's, or fewer)
     tiled: bool = False     # groups of TILE_ROWS rows stored as TILE_ROWS x TILE_COLS tiles (kiec.pack)
-    tile_rows: tuple = ()   # set by schedule where tiles differ: each tile's rows, in order (else rows_per_tile each)
 
     @property
     def stride(self) -> int:
@@ -57,14 +56,6 @@ class Gemv:
     @property
     def bytes(self) -> int:
         return self.packed_rows * self.stride * 2
-
-    def tile_span(self, t: int) -> tuple[int, int]:
-        """(first row, rows) of tile t."""
-        if self.tile_rows:
-            r0 = sum(self.tile_rows[:t])
-            return r0, self.tile_rows[t]
-        r0 = t * self.rows_per_tile
-        return r0, min(self.rows_per_tile, self.rows - r0)
 
 
 def gemv_shape(rows: int, cols: int, max_segments: int = 8) -> Gemv:
@@ -172,8 +163,7 @@ class Schedule:
             cut = (f"tiles of {TILE_ROWS}x{TILE_COLS}, stride {g.stride}" if g.tiled else f"seg {g.segments}x{g.seg_width}"
                    ) if g else ""
             passes = f" (passes of {g.pass_rows})" if g and g.pass_rows < g.rows_per_tile else ""
-            per_tile = f"{min(g.tile_rows)}-{max(g.tile_rows)}" if g and g.tile_rows else g.rows_per_tile if g else 0
-            shape = (f" gemv {g.rows}x{g.cols} {cut} rows/tile {per_tile}{passes}"
+            shape = (f" gemv {g.rows}x{g.cols} {cut} rows/tile {g.rows_per_tile}{passes}"
                      f" @ {g.offset}" if g else "")
             attrs = " ".join(f"{k}={v}" for k, v in s.attrs)
             lines.append(f"  {s.index:3d} {s.name:<22} tiles={s.tiles}{shape} {attrs}".rstrip())

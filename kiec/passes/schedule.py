@@ -9,8 +9,7 @@ Guarantees:
 - a GEMV stage's rows are cut into contiguous tiles of `rows_per_tile` rows (even
   where rows come in pairs: RoPE pairs, gate/up pairs; a multiple of TILE_ROWS where the
   matrices are tiled), at most one tile per block of the lane, so a stage finishes in one
-  pass over the grid; with `even_blocks` (tiled, one lane) gate_up's tiles are whole row groups
-  of unequal counts (`tile_rows`), the blocks carrying the layer's other tiles taking fewer;
+  pass over the grid;
 - every GEMV matrix is tiled for the matrix units, or none is: the target's choice
   (`Target.gemv_tiles`) for bf16 weights, rows for fp16, unless `gemv_tiles` overrides it; tiles need a target that has
   them; a tiled row has at least one tile per consumer warp, and a slot whole tiles for each
@@ -51,7 +50,6 @@ combines them itself); an attention tile only for the qkv tiles that cover its K
 from __future__ import annotations
 
 import dataclasses
-import heapq
 
 from ..errors import KiecError
 from ..ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS, Grid, Schedule, Stage, gemv_shape, gemv_tiled
@@ -177,11 +175,6 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             raise KiecError("ir", s.kind, "a stage kind the scheduler knows")
     stages = _rotate(stages, per_lane, blocks)
     stages = _attention_waits(stages)
-    if options.even_blocks:
-        if not tiled or lanes > 1:
-            raise KiecError("even_blocks", options.even_blocks, f"0 {'with lanes' if lanes > 1 else 'where the matrices are not tiled'} "
-                            f"(gate_up's rows are evened over one lane's blocks, in whole row groups)")
-        stages = [_even_gate_up(stages, s, per_lane, options.even_blocks) if s.kind == "gate_up" else s for s in stages]
     slot_bytes = options.slot_bytes or target.slot_bytes
 
     def ring_slots(scratch: int) -> int:
@@ -263,45 +256,6 @@ def _rotate(stages: list, per_lane: int, blocks: int) -> list:
         out.append(dataclasses.replace(s, attrs=tuple(sorted(dict(s.attrs, rotation=rotation % width).items()))))
         rotation += s.tiles
     return out
-
-
-def _even_gate_up(stages: list, gate_up: Stage, per_lane: int, percent: int) -> Stage:
-    """gate_up's tiles in unequal whole row groups: every tile takes one group, then each further group
-    goes to the tile whose block then carries the least of its layer's bytes, the layer's other GEMV
-    tiles on that block counted at `percent`% (a block streaming down's tile after gate_up can start
-    on it while the others finish theirs, as far as its ring holds). Gate and up rows stay together:
-    they pair within a group. Tiles keep their count and order, so tile t still runs on its block.
-    Where that leaves the heaviest block (every byte counted) no lighter, the tiles stay equal
-    (Llama-1B: 4 blocks without other tiles would take 184 rows while others keep 128)."""
-    g = gate_up.gemv
-    others = [0] * per_lane
-    for other in stages:
-        if other.layer == gate_up.layer and other.gemv is not None and other is not gate_up:
-            for t in range(other.tiles):
-                others[(t + other.attr("rotation")) % per_lane] += other.gemv.tile_span(t)[1] * other.gemv.stride * 2
-    group_bytes = TILE_ROWS * g.stride * 2
-    blocks = [(t + gate_up.attr("rotation")) % per_lane for t in range(gate_up.tiles)]
-    groups = [1] * gate_up.tiles
-    heap = [(others[b] * percent / 100 + group_bytes, t) for t, b in enumerate(blocks)]
-    heapq.heapify(heap)
-    for _ in range(g.packed_rows // TILE_ROWS - gate_up.tiles):
-        _, t = heapq.heappop(heap)
-        groups[t] += 1
-        heapq.heappush(heap, (others[blocks[t]] * percent / 100 + groups[t] * group_bytes, t))
-
-    def heaviest(tile_groups) -> int:
-        carried = list(others)
-        for b, n in zip(blocks, tile_groups):
-            carried[b] += n * group_bytes
-        return max(carried)
-
-    if heaviest(groups) >= heaviest([-(-g.tile_span(t)[1] // TILE_ROWS) for t in range(gate_up.tiles)]):
-        return gate_up
-    rows = [n * TILE_ROWS for n in groups]
-    rows[-1] -= g.packed_rows - g.rows                 # the last group's padding rows
-    widest = max(rows)
-    return dataclasses.replace(gate_up, gemv=dataclasses.replace(g, tile_rows=tuple(rows), rows_per_tile=widest,
-                                                                 pass_rows=widest))
 
 
 def qkv_group_rows(stage: Stage, group: int) -> list:
