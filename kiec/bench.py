@@ -24,6 +24,7 @@ Everything GPU-side is imported when it runs, so `--help` and the argument check
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -51,6 +52,8 @@ class BenchOptions:
     dtp_delay: int | None = None
     placements: tuple = ("one-launch",)   # where the lanes run (PLACEMENTS)
     prompts: tuple = (512, 2048, 8192)    # prompt lengths to time to first token; () leaves prefill out
+    fit_contexts: bool = False  # the default contexts: one past the model's positions is lowered to fit
+    fit_prompts: bool = False   # the default prompts, the same
 
     def __post_init__(self):
         if not self.contexts or any(not is_int(c) or c <= 0 for c in self.contexts):
@@ -81,6 +84,20 @@ class BenchOptions:
         return max(max(self.contexts) + self.steps, max(self.prompts, default=0))
 
 
+def fitted(options: BenchOptions, max_positions: int) -> BenchOptions:
+    """The default contexts and prompts (those not given) for a model of `max_positions` positions: a
+    context past max_positions - steps is lowered to it, a prompt past max_positions to it (SmolLM2's
+    8,192 positions take context 8,064 with 128 steps). Given ones are left for the checks to refuse."""
+    lower = lambda counts, limit: tuple(dict.fromkeys(min(n, limit) for n in counts))
+    top = max_positions - options.steps
+    if options.fit_contexts and top >= 1:
+        options = dataclasses.replace(options, contexts=lower(options.contexts, top),
+                                      compile_at=lower(options.compile_at, top))
+    if options.fit_prompts:
+        options = dataclasses.replace(options, prompts=lower(options.prompts, max_positions))
+    return options
+
+
 def parse_counts(text: str, option: str = "--contexts", example: str = "128,8192") -> tuple:
     try:
         return tuple(int(part) for part in text.split(","))
@@ -94,7 +111,7 @@ class BenchModel:
     def __init__(self, model: str, options: BenchOptions, workdir: Path):
         from .model import arch_config, builtin_models, load_spec
         from .synthetic import PRESETS, preset
-        self.name, self.options, self.workdir = model, options, workdir
+        self.name, self.workdir = model, workdir
         self.preset = preset(model) if model in PRESETS and not Path(model).exists() else None
         if self.preset is None and not Path(model).expanduser().exists() and model not in builtin_models():
             raise KiecError("model", model, "a model.json, a model folder, a safetensors or GGUF file, "
@@ -105,6 +122,8 @@ class BenchModel:
             max_positions = arch_config(arch, self.preset).max_positions
         else:
             max_positions = load_spec(model).config.max_positions
+        options = fitted(options, max_positions)
+        self.options = options
         if max(options.contexts) + options.steps > max_positions:
             raise KiecError("--contexts", max(options.contexts),
                             f"context + steps ({max(options.contexts) + options.steps}) at most the model's "
@@ -301,8 +320,8 @@ def register_bench(sub) -> None:
     p = sub.add_parser("bench", help="kiec's ms/token against the read-bandwidth floor and the torch / HF peers (GPU)")
     p.add_argument("model", help="a model.json, a model folder, a safetensors or GGUF file, 'smollm2', or a synthetic preset with "
                                  "random weights: " + ", ".join(PRESETS))
-    p.add_argument("--contexts", default=",".join(map(str, d.contexts)),
-                   help="context lengths to time at, comma-separated (default: %(default)s)")
+    p.add_argument("--contexts", help=f"context lengths to time at, comma-separated (default: "
+                                      f"{','.join(map(str, d.contexts))}, lowered to fit a model with fewer positions)")
     p.add_argument("--steps", type=int, default=d.steps, help="timed decode steps per measurement (default: %(default)s)")
     p.add_argument("--no-peers", action="store_true", help="time kiec alone (no torch peers)")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer (it autotunes for minutes)")
@@ -317,8 +336,8 @@ def register_bench(sub) -> None:
                         "; ".join(f"{k}: {v}" for k, v in PLACEMENTS.items()) + " (default: %(default)s)")
     p.add_argument("--dtp-delay", type=int, default=None,
                    help="with --lanes: also time Delayed Tensor Parallelism past(D) (an approximation of the model)")
-    p.add_argument("--prompts", default=",".join(map(str, d.prompts)),
-                   help="prompt lengths to time to first token, comma-separated (default: %(default)s)")
+    p.add_argument("--prompts", help=f"prompt lengths to time to first token, comma-separated (default: "
+                                     f"{','.join(map(str, d.prompts))}, lowered to fit a model with fewer positions)")
     p.add_argument("--no-prefill", action="store_true", help="leave out the time to first token")
     p.add_argument("--json", type=Path, help="write every measurement and derived number here (rewritten as each "
                                               "one is timed, marked partial until the run ends)")
@@ -328,12 +347,16 @@ def register_bench(sub) -> None:
 def cmd_bench(args) -> int:
     if args.dtp_delay is not None and not args.lanes:
         raise KiecError("--dtp-delay", args.dtp_delay, "--lanes as well (DTP needs several lanes)")
-    options = BenchOptions(contexts=parse_counts(args.contexts), steps=args.steps, peers=not args.no_peers,
+    d = BenchOptions()
+    options = BenchOptions(contexts=parse_counts(args.contexts) if args.contexts else d.contexts, steps=args.steps,
+                           peers=not args.no_peers,
                            compile_peer=not args.no_compile, hf=args.hf, seed=args.seed,
                            compile_at=parse_counts(args.compile_at, "--compile-at", "128") if args.compile_at else (),
                            lanes=parse_counts(args.lanes, "--lanes", "1,2,4,8") if args.lanes else (),
                            dtp_delay=args.dtp_delay, placements=tuple(args.placement.split(",")),
-                           prompts=() if args.no_prefill else parse_counts(args.prompts, "--prompts", "512,2048,8192"))
+                           prompts=() if args.no_prefill else parse_counts(args.prompts, "--prompts", "512,2048,8192")
+                           if args.prompts else d.prompts,
+                           fit_contexts=args.contexts is None, fit_prompts=args.prompts is None)
     if args.json is not None and not args.json.parent.is_dir():     # found now, not after minutes of timing
         raise KiecError("--json", str(args.json), "a file in an existing folder")
     quiet = getattr(args, "quiet", False)
@@ -349,6 +372,11 @@ def cmd_bench(args) -> int:
 
     with tempfile.TemporaryDirectory(prefix="kiec-bench-") as workdir:
         model = BenchModel(args.model, options, Path(workdir))    # argument errors come before the GPU check
+        if model.options != options:
+            log(f"contexts {','.join(map(str, model.options.contexts))}"
+                + (f", prompts {','.join(map(str, model.options.prompts))}" if options.prompts else "")
+                + " (the defaults, lowered to the model's positions)")
+            options = model.options
         require_gpu(options.peers or bool(options.prompts))
         try:
             summary = summarize(run_bench(model, options, log, save))

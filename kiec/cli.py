@@ -23,6 +23,7 @@ def cmd_run(args) -> int:
         ids = encode_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
     else:
         ids = engine.encode(args.prompt)
+        engine.check_request(ids, params)          # before the echo: an error is not glued to the prompt
         sys.stdout.write(args.prompt)
     if not args.quiet:
         print(f"[kiec] {spec.name} on {engine.backend.name}: {len(ids)} prompt tokens", file=sys.stderr)
@@ -64,7 +65,7 @@ def _add_common(p, top: bool) -> None:
     keep = {} if top else {"default": argparse.SUPPRESS}
     p.add_argument("--quiet", action="store_true", help="no progress bars or status lines", **keep)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], **keep,
-                   help="log detail on stderr (default: info, warning with --quiet)")
+                   help="log detail on stderr, progress and status lines at info (default: info, warning with --quiet)")
 
 
 def main(argv=None) -> int:
@@ -97,6 +98,7 @@ def main(argv=None) -> int:
     import logging
     level = args.log_level or ("warning" if args.quiet else "info")
     logging.basicConfig(level=getattr(logging, level.upper()), format="[kiec] %(message)s")
+    args.quiet = level in ("warning", "error")       # progress and status lines are info: --log-level decides
     try:
         return args.func(args)
     except KiecError as err:

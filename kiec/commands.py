@@ -35,7 +35,7 @@ def cmd_serve(args) -> int:
 
 def register_chat(sub) -> None:
     from .cli_args import add_model_args, add_sampling_args
-    p = sub.add_parser("chat", help="an interactive chat in the terminal (/reset, /exit)")
+    p = sub.add_parser("chat", help="an interactive chat in the terminal (/reset, /exit, /help)")
     add_model_args(p)
     p.add_argument("--backend", default="auto", choices=["auto", "gpu", "reference"])
     p.add_argument("--system", help="a system message to start every conversation with")

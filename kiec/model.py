@@ -174,7 +174,7 @@ def spec_from_dict(raw: dict, base: Path, origin: str) -> ModelSpec:
     tokenizer = _existing_path("tokenizer", raw["tokenizer"], base) if "tokenizer" in raw else default_tokenizer
     default_lanes = config.lanes
     spec = ModelSpec(
-        name=str(raw.get("name") or (Path(weights).name if Path(weights).is_dir() else Path(weights).stem)),
+        name=_name(raw.get("name")) or (Path(weights).name if Path(weights).is_dir() else Path(weights).stem),
         config=config,
         weights=weights,
         tokenizer=tokenizer,
@@ -189,6 +189,12 @@ def spec_from_dict(raw: dict, base: Path, origin: str) -> ModelSpec:
     # a laneformer's lane count is its checkpoint's unless model.json sets it: errors name where it came from
     _check_spec(spec, "lanes" if "lanes" in raw or config.arch != "laneformer" else "config.num_lanes")
     return spec
+
+
+def _name(name) -> str | None:
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise KiecError("name", name, SPEC_KEYS["name"] + " (a non-empty string)")
+    return name
 
 
 def _check_spec(spec: ModelSpec, lanes_field: str = "lanes") -> None:

@@ -90,6 +90,7 @@ build {module_file}: link kernel.o module.o
 
 def build(files: dict, target: Target, folder: Path, module_name: str, quiet: bool = False) -> Build:
     writable_folder("build folder", folder)
+    _which(target.compiler)             # named now, not inside ninja's log
     module_file = module_name + EXT_SUFFIX
     # another process building this folder (the same sources) holds it until its ninja is done
     with held(folder / ".lock", None if quiet else f"waiting for another build of {folder}"):

@@ -234,10 +234,11 @@ def test_without_a_gpu_one_error_line():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["tiny-llama"], "--contexts: got 8192; expected context + steps (8320) at most the model's "
-                     "max_position_embeddings (512)"),
-    (["tiny-llama", "--contexts", "16"], "--prompts: got 8192; expected prompts of at most the model's "
-                                         "max_position_embeddings (512) tokens (shorter --prompts, or --no-prefill)"),
+    (["tiny-llama", "--contexts", "128,8192"], "--contexts: got 8192; expected context + steps (8320) at most the "
+                                               "model's max_position_embeddings (512)"),
+    (["tiny-llama", "--contexts", "16", "--prompts", "8192"],
+     "--prompts: got 8192; expected prompts of at most the model's max_position_embeddings (512) tokens (shorter "
+     "--prompts, or --no-prefill)"),
     (["tiny-llama", "--contexts", "16", "--prompts", "1"], "--prompts: got (1,); expected prompt lengths of at least 2"),
     (["tiny-llama", "--contexts", "16", "--prompts", "a"], "--prompts: got 'a'; expected comma-separated integers"),
     (["tiny-llama", "--contexts", "16,x"], "--contexts: got '16,x'; expected comma-separated integers, e.g. 128,8192"),
@@ -273,6 +274,28 @@ def test_argument_errors(capsys, args, message):
     err = capsys.readouterr().err
     assert err.startswith("kiec: error: " + message), err
     assert len(err.splitlines()) == 1
+
+
+def test_the_default_contexts_and_prompts_are_lowered_to_the_model_s_positions(tmp_path):
+    """tiny-llama has 512 positions: the defaults become contexts 128 and 384 (with 128 steps) and one
+    prompt of 512; what was given is not lowered (test_argument_errors)."""
+    defaults = BenchOptions(fit_contexts=True, fit_prompts=True, compile_at=(8192,))
+    model = BenchModel("tiny-llama", defaults, tmp_path)
+    assert (model.options.contexts, model.options.compile_at, model.options.prompts) == ((128, 384), (384,), (512,))
+    assert model.spec.max_seq_len == 512
+    given = BenchOptions(contexts=(16,), steps=8, prompts=(100,), fit_contexts=True, fit_prompts=True)
+    (tmp_path / "given").mkdir()
+    assert BenchModel("tiny-llama", given, tmp_path / "given").options == given     # already fits: unchanged
+
+
+@pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
+def test_the_lowered_defaults_are_said_before_the_gpu_check():
+    run = subprocess.run([sys.executable, "-m", "kiec.cli", "bench", "tiny-llama"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == [
+        "[kiec bench] contexts 128,384, prompts 512 (the defaults, lowered to the model's positions)",
+        "kiec: error: device: got 'no GPU'; expected an NVIDIA GPU with nvidia-smi and nvcc (kiec bench times kernels on it)"]
 
 
 def test_model_spec_fits_the_run(tmp_path, tiny_llama):

@@ -57,8 +57,19 @@ def test_a_message_beyond_the_context_is_refused_and_the_chat_goes_on(tiny_model
     short = answer(engine, [{"role": "user", "content": "hi"}])
     run = chat(tiny_model, "word " * 60 + "\nhi\n", "--max-seq-len", "48", "--quiet")
     assert run.returncode == 0, run.stderr
-    assert run.stdout == short + "\n"
+    assert run.stdout == "\n" + short + "\n"           # the refused message's answer line is empty
     assert "max_seq_len is 48" in run.stderr
+
+
+def test_a_word_after_a_slash_is_a_command_not_a_message(tiny_model, engine):
+    """/help and an unknown /word are answered on stderr, /quit leaves; a message with a space that starts
+    with a slash goes to the model."""
+    path = answer(engine, [{"role": "user", "content": "/usr/bin is what?"}])
+    run = chat(tiny_model, "/help\n/foo\n/usr/bin is what?\n/quit\nnever read\n", "--quiet")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == path + "\n"
+    lines = run.stderr.splitlines()
+    assert lines[0].startswith("[kiec] /reset starts a new conversation") and lines[1].startswith("[kiec] no command /foo: ")
 
 
 def test_logprobs_print_a_line_per_token_of_each_answer(tiny_model):

@@ -176,6 +176,26 @@ def test_run_says_when_the_context_filled_up(tmp_path, smollm2_gguf):
     assert run.returncode == 0 and "context full" not in run.stderr, run.stderr
 
 
+def test_a_refused_run_echoes_no_prompt(tmp_path, smollm2_gguf):
+    """The prompt's echo waits for the engine's checks: a refusal leaves stdout empty."""
+    model = write_tiny_chat_model(tmp_path, smollm2_gguf)
+    for extra, error in ((["--max-seq-len", "4", "--prompt", "a b c d e f"], "prompt: got '"),
+                         (["--stop-token-id", "999999"], "stop_token_ids: got 999999; expected token ids below the "
+                                                          "vocabulary size")):
+        run = _cli("run", model, "--backend", "reference", "--max-tokens", "2", *extra)
+        _assert_error(run, error)
+        assert run.stdout == ""
+
+
+def test_log_level_decides_the_status_lines(tmp_path, smollm2_gguf):
+    model = write_tiny_chat_model(tmp_path, smollm2_gguf)
+    base = ("run", model, "--backend", "reference", "--prompt", "abcd", "--max-tokens", "2", "--ignore-eos")
+    quiet = _cli(*base, "--log-level", "error")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    loud = _cli("--quiet", *base, "--log-level", "info")
+    assert loud.returncode == 0 and "[kiec] 2 tokens, first after" in loud.stderr, loud.stderr
+
+
 def test_an_empty_kiec_cache_is_unset(monkeypatch, tmp_path):
     from kiec.fetch import cache_dir
     monkeypatch.setenv("HOME", str(tmp_path))

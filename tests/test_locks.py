@@ -1,4 +1,5 @@
-"""A kernel folder is built by one process at a time, and the test run's shared models are written once."""
+"""A kernel folder is built by one process at a time, with its compiler named first where it is missing, and
+the test run's shared models are written once."""
 from __future__ import annotations
 
 import os
@@ -29,7 +30,9 @@ def test_two_builds_of_one_folder_take_turns(tmp_path, monkeypatch, capsys):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "ninja").write_text(FAKE_NINJA)
-    (bin_dir / "ninja").chmod(0o755)
+    (bin_dir / "nvcc").write_text("#!/bin/sh\nexit 1\n")      # found on PATH; the stand-in ninja never calls it
+    for tool in ("ninja", "nvcc"):
+        (bin_dir / tool).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     folder, files = tmp_path / "kernel", {"kernel.hip": "// stage 0\n", "kiec_port.h": "", "module.cpp": ""}
     target = get_target("cuda:sm_90")
@@ -41,6 +44,14 @@ def test_two_builds_of_one_folder_take_turns(tmp_path, monkeypatch, capsys):
     first.join()
     assert (folder / "runs").read_text().split() == ["start", "end", "start", "end"]
     assert capsys.readouterr().err.count(f"waiting for another build of {folder}") == 1
+
+
+@pytest.mark.parametrize("target,compiler", [("cuda:sm_90", "nvcc"), ("hip:gfx942", "hipcc")])
+def test_a_build_without_its_compiler_names_it_before_ninja_runs(tmp_path, monkeypatch, target, compiler):
+    monkeypatch.setenv("PATH", str(tmp_path))               # no compiler, no ninja
+    with pytest.raises(KiecError, match=f"toolchain: got '{compiler}'; expected {compiler} on PATH"):
+        build({"kernel.hip": "", "kiec_port.h": "", "module.cpp": ""}, get_target(target), tmp_path / "kernel", "kiec_x")
+    assert not (tmp_path / "kernel" / "build.ninja").exists()
 
 
 def test_a_lock_file_that_cannot_be_made_is_named(tmp_path):

@@ -482,3 +482,10 @@ def test_a_head_dim_given_need_not_divide_the_hidden_size(tmp_path):
     err = _error(str(_folder_with_config(tmp_path, "n", "tiny-qwen2", hidden_size=64, num_attention_heads=6,
                                          num_key_value_heads=2, head_dim=...)))
     assert err.field == "config.hidden_size" and "or a head_dim" in err.expected
+
+
+@pytest.mark.parametrize("name", [42, "", "  ", ["m"]])
+def test_a_name_that_is_not_a_string_is_refused(tiny_llama, name):
+    with pytest.raises(KiecError, match=r"name: got .*; expected a short name for the model \(a non-empty string\)"):
+        load_spec({"weights": str(tiny_llama), "name": name})
+    assert load_spec({"weights": str(tiny_llama), "name": "tiny"}).name == "tiny"

@@ -4,6 +4,7 @@ logprobs through the real engine on a tiny random model."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import numpy as np
@@ -295,6 +296,19 @@ def test_a_token_id_past_the_vocabulary_is_refused(engine):
     for bad in (5, -1):
         with pytest.raises(KiecError, match=f"token: got {bad}; expected token ids in \\[0, 5\\)"):
             check_token_ids([1, bad], 5)
+
+
+def test_a_tokenizer_past_the_model_s_vocabulary_is_said_at_load(engine, caplog):
+    from kiec.runtime.engine import Engine
+    tok = engine.tokenizer
+    small = engine.spec.replace(config=dataclasses.replace(engine.spec.config, vocab=256))
+    with caplog.at_level("WARNING", logger="kiec"):
+        Engine(small, backend=ScriptedBackend([], 256), tokenizer=tok)
+    assert f"the tokenizer knows {tok.vocab_size} tokens and {small.name} has 256 embedding rows" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kiec"):
+        Engine(engine.spec, backend=ScriptedBackend([], tok.vocab_size), tokenizer=tok)
+    assert caplog.text == ""
 
 
 def test_logprobs_are_the_log_softmax_of_the_model_logits(engine):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS_HELP = "/reset starts a new conversation, /exit (or end of input) leaves"
+COMMANDS_HELP = "/reset starts a new conversation, /exit (or /quit, or end of input) leaves, /help says this"
 
 
 def encode_chat(tokenizer, messages: list) -> list[int]:
@@ -69,12 +69,15 @@ def chat_loop(session: ChatSession, stdin=None, out=None, err=None, quiet: bool 
             line = _read_line(stdin, out, interactive)
         except KeyboardInterrupt:
             return 0
-        if line is None or line.strip() == "/exit":
+        text = "" if line is None else line.strip()
+        if line is None or text in ("/exit", "/quit"):
             return 0
-        text = line.strip()
         if text == "/reset":
             session.reset()
             print("[kiec] new conversation", file=err)
+            continue
+        if text.startswith("/") and " " not in text:      # a command, not a message: "/usr/bin is?" is one
+            print(f"[kiec] {'' if text == '/help' else f'no command {text}: '}{COMMANDS_HELP}", file=err)
             continue
         if not text:
             continue
@@ -82,6 +85,8 @@ def chat_loop(session: ChatSession, stdin=None, out=None, err=None, quiet: bool 
             session.reply(text, out)
         except ContextFull as full:
             print(f"[kiec] {full}", file=err)
+            out.write("\n")                 # still one answer line per message read from a pipe
+            out.flush()
             continue
         except KeyboardInterrupt:       # Ctrl-C stops the answer, not the chat
             continue

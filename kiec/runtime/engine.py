@@ -8,6 +8,7 @@ streams `Token` events.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -19,6 +20,8 @@ from ..model import ModelSpec
 from ..progress import report
 from .gpu import check_token_ids
 from .sampling import Sampler, SamplingParams, StopStrings
+
+log = logging.getLogger("kiec")
 
 
 @dataclass
@@ -103,6 +106,10 @@ class Engine:
             tokenizer = load_tokenizer(spec.tokenizer)
             report(options.get("progress"), "tokenizer", 1, 1)
         self.tokenizer = tokenizer
+        if tokenizer.vocab_size > spec.config.vocab:     # said at load, not as each request's error
+            log.warning(f"the tokenizer knows {tokenizer.vocab_size} tokens and {spec.name} has {spec.config.vocab} "
+                        f"embedding rows: a prompt with an id past {spec.config.vocab - 1} will be refused (is "
+                        f"`tokenizer` the model's own?)")
         self.backend = make_backend(spec, backend, **options) if isinstance(backend, str) else backend
         self.cached: list[int] = []      # the tokens whose K/V the backend holds, in order
         self.last_stats = Stats()
@@ -118,9 +125,9 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def generate(self, prompt: list[int], params: SamplingParams | None = None) -> Iterator[Token]:
-        """Streams the completion of `prompt` (token ids)."""
-        params = params or SamplingParams()
+    def check_request(self, prompt: list[int], params: SamplingParams) -> list[int]:
+        """`prompt` as ints, or the error generate would raise at its first token: a caller echoing the
+        prompt checks first, so the error is not glued to the echo."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise KiecError("prompt", [], "at least one token")
@@ -128,6 +135,15 @@ class Engine:
         if len(prompt) >= self.max_seq_len:
             raise KiecError("prompt", f"{len(prompt)} tokens",
                             f"fewer than max_seq_len ({self.max_seq_len}) tokens, leaving room to generate")
+        for token in params.stop_token_ids:
+            if token >= self.vocab:
+                raise KiecError("stop_token_ids", token, f"token ids below the vocabulary size ({self.vocab})")
+        return prompt
+
+    def generate(self, prompt: list[int], params: SamplingParams | None = None) -> Iterator[Token]:
+        """Streams the completion of `prompt` (token ids)."""
+        params = params or SamplingParams()
+        prompt = self.check_request(prompt, params)
         stats = Stats(prompt_tokens=len(prompt))
         start = time.perf_counter()
         # prefix reuse: keep the cache up to the first token that differs (at least one token is recomputed)
