@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import KiecError
+from .errors import KiecError, nearest
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,8 @@ class CompileOptions:
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, _, value = part.partition("=")
             if key not in CompileOptions.__dataclass_fields__:
-                raise KiecError("option", key, "one of " + ", ".join(CompileOptions.__dataclass_fields__))
+                raise KiecError("option", key, "one of " + ", ".join(CompileOptions.__dataclass_fields__),
+                                nearest(key, CompileOptions.__dataclass_fields__))
             if key in fields:
                 raise KiecError(f"option {key}", text, f"{key} given once")
             try:

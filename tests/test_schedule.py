@@ -395,6 +395,8 @@ def test_consumer_options_reach_the_grid_and_bad_values_are_named(models):
                         ("timing_only=4", "timing_only")]:
         with pytest.raises(KiecError, match=field):
             CompileOptions.parse(text)
+    with pytest.raises(KiecError, match=r"option: got 'slot_byte'; expected one of .*\(did you mean 'slot_bytes'\?\)"):
+        CompileOptions.parse("slot_byte=16384")
 
 
 @pytest.mark.parametrize("target,text,tiled", [("cuda:sm_90", "", True), ("cuda:sm_90", "gemv_tiles=0", False),
