@@ -43,3 +43,23 @@ def test_the_reference_backend_reports_every_weight(tiny_llama):
     weights = len(build_graph(spec).weights())
     assert calls[:2] == [("open weights", 0, 1), ("open weights", 1, 1)]
     assert calls[2:] == [("convert weights", n, weights) for n in range(1, weights + 1)]
+
+
+def test_a_long_prompt_on_the_reference_goes_in_chunks_with_its_progress(tiny_llama):
+    """Past PROMPT_CHUNK tokens the reference backend shows the prompt's progress, chunk by chunk; the
+    logits are the one-pass forward's (to float rounding: numpy's products take other shapes)."""
+    import numpy as np
+    from kiec.model import load_spec
+    from kiec.runtime.engine import PROMPT_CHUNK, ReferenceBackend
+    spec = load_spec(str(tiny_llama), {"max_seq_len": 512})
+    tokens = [int(t) for t in np.random.default_rng(0).integers(spec.config.vocab, size=PROMPT_CHUNK + 44)]
+    seen = []
+    shown = ReferenceBackend(spec, progress=lambda step, done, total: seen.append((step, done, total)))
+    got = shown.forward(tokens, 0)
+    assert [s for s in seen if s[0] == "prompt"] == [("prompt", 0, len(tokens)), ("prompt", PROMPT_CHUNK, len(tokens)),
+                                                     ("prompt", len(tokens), len(tokens))]
+    want = ReferenceBackend(spec).forward(tokens, 0)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5)      # equal bits here; float rounding allowed
+    seen.clear()
+    shown.forward(tokens[:PROMPT_CHUNK], 0)          # a prompt of one chunk: no bar
+    assert not seen
