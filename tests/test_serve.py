@@ -638,3 +638,14 @@ def test_smollm2_chat_through_the_server_equals_the_engine(tmp_path):
         assert "Paris" in want
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("port", 70000, "an integer in [0, 65535]"), ("max_body_bytes", 100, "an integer >= 1024"),
+    ("max_queue", -1, "an integer >= 0"), ("api_key", " ", "a non-empty key, or none"),
+    ("model_name", "", "a non-empty name, or none (the model's own)")])
+def test_serve_options_name_a_bad_value(field, value, expected):
+    from kiec.errors import KiecError
+    from kiec.runtime.server import ServeOptions
+    with pytest.raises(KiecError, match=re.escape(f"{field}: got {value!r}; expected {expected}")):
+        ServeOptions(**{field: value})

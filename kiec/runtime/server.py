@@ -49,6 +49,8 @@ class ServeOptions:
             raise KiecError("max_queue", self.max_queue, "an integer >= 0 (requests that may wait for the engine)")
         if self.api_key is not None and not self.api_key.strip():
             raise KiecError("api_key", self.api_key, "a non-empty key, or none")
+        if self.model_name is not None and not self.model_name.strip():
+            raise KiecError("model_name", self.model_name, "a non-empty name, or none (the model's own)")
 
 
 def check_serve_extra() -> None:
