@@ -222,6 +222,7 @@ BAD_BODIES = [
     ("/v1/completions", b'{"prompt": "hi", "n": true}', 400, "n", None),
     ("/v1/completions", b'{"prompt": "hi", "stream_options": {"include_usage": true}}', 400, "stream_options", None),
     ("/v1/completions", b'{"prompt": "hi", "stop": ["ok", ""]}', 400, "stop", None),
+    ("/v1/completions", b'{"prompt": "hi", "stop_token_ids": [2, 99999999]}', 400, "stop_token_ids", None),
     ("/v1/chat/completions", b'{"messages": []}', 400, "messages", None),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages[0].role", None),
     ("/v1/chat/completions", b'{"messages": [{"role": ["user"], "content": "hi"}]}', 400, "messages[0].role", None),

@@ -148,9 +148,7 @@ class Engine:
         if len(prompt) >= self.max_seq_len:
             raise KiecError("prompt", f"{len(prompt)} tokens",
                             f"fewer than max_seq_len ({self.max_seq_len}) tokens, leaving room to generate")
-        for token in params.stop_token_ids:
-            if token >= self.vocab:
-                raise KiecError("stop_token_ids", token, f"token ids below the vocabulary size ({self.vocab})")
+        params.check_vocab(self.vocab)
         return prompt
 
     def generate(self, prompt: list[int], params: SamplingParams | None = None) -> Iterator[Token]:

@@ -162,9 +162,10 @@ def _sampling(body: dict, served: Served, max_tokens, logprobs) -> SamplingParam
         params = SamplingParams(**values)
     except KiecError as err:           # shown as sent (stop as a list, not the tuple it became)
         raise invalid(err.field, body.get(err.field, err.value), err.expected) from None
-    for token in params.stop_token_ids:
-        if token >= served.vocab:
-            raise invalid("stop_token_ids", token, f"token ids below the vocabulary size ({served.vocab})")
+    try:
+        params.check_vocab(served.vocab)
+    except KiecError as err:
+        raise invalid(err.field, err.value, err.expected) from None
     return params
 
 

@@ -77,6 +77,12 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "true or false")
 
+    def check_vocab(self, vocab: int) -> None:
+        """The stop token ids are the model's: a KiecError names the first past its vocabulary."""
+        for token in self.stop_token_ids:
+            if token >= vocab:
+                raise KiecError("stop_token_ids", token, f"token ids below the vocabulary size ({vocab})")
+
     @classmethod
     def names(cls) -> tuple:
         return tuple(f.name for f in fields(cls))
