@@ -64,14 +64,12 @@ def write_sources(folder: Path, files: dict) -> None:
 def ninja_file(target: Target, module_file: str, headers=("kiec_port.h", "kiec_api.h")) -> str:
     import pybind11
     includes = f"-I{pybind11.get_include()} -I{sysconfig.get_paths()['include']}"
-    if target.vendor == "nvidia":
-        kernel = (f"nvcc {' '.join(target.compile_flags)} -Xcompiler -fPIC -c $in -o $out")
-        link = "nvcc -shared $in -o $out"
-        cxx = f"c++ -O2 -fPIC -std=c++17 {includes} -c $in -o $out"
-    else:
-        kernel = f"hipcc {' '.join(target.compile_flags)} -fPIC -c $in -o $out"
-        link = "hipcc -shared $in -o $out"
-        cxx = f"hipcc -O2 -fPIC -std=c++17 {includes} -c $in -o $out"
+    # the kernel and the link go through the target's compiler (build checks it is there); the module's
+    # C++ through the host compiler on NVIDIA, hipcc on AMD
+    pic = "-Xcompiler -fPIC" if target.vendor == "nvidia" else "-fPIC"
+    kernel = f"{target.compiler} {' '.join(target.compile_flags)} {pic} -c $in -o $out"
+    link = f"{target.compiler} -shared $in -o $out"
+    cxx = f"{'c++' if target.vendor == 'nvidia' else target.compiler} -O2 -fPIC -std=c++17 {includes} -c $in -o $out"
     return f"""# kiec build for {target.name}
 rule kernel
   command = {kernel} > $out.log 2>&1 || (cat $out.log; exit 1)
