@@ -77,13 +77,14 @@ class ReferenceBackend:
         prompt goes in chunks, its progress shown (numpy takes about 25 ms a token for SmolLM2)."""
         self.model.reset(start)
         tokens = list(tokens)
-        chunk = PROMPT_CHUNK if self.progress is not None and len(tokens) > PROMPT_CHUNK else len(tokens)
-        if chunk < len(tokens):
-            report(self.progress, "prompt", 0, len(tokens))
+        shown = self.progress is not None and len(tokens) > PROMPT_CHUNK
+        chunk = PROMPT_CHUNK if shown else len(tokens)
         for done in range(0, len(tokens), chunk):
+            if shown:
+                report(self.progress, "prompt", done, len(tokens))
             logits = self.model.forward(tokens[done:done + chunk])
-            if chunk < len(tokens):
-                report(self.progress, "prompt", min(done + chunk, len(tokens)), len(tokens))
+        if shown:
+            report(self.progress, "prompt", len(tokens), len(tokens))
         return np.asarray(logits[-1], dtype=np.float32)
 
 
