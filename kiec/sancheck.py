@@ -1,6 +1,6 @@
 """A small run of the monokernel for compute-sanitizer: `compute-sanitizer --tool memcheck python -m kiec.sancheck`.
 
-Random tiny weights in memory (a preset, its config changed by `--set`), a few single-step launches,
+Random tiny weights in memory (a preset, its config changed by `--set`, built with `--options`), a few single-step launches,
 one multi-step launch; exits non-zero if anything the kernel returns is not finite.
 """
 from __future__ import annotations
@@ -18,10 +18,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny-llama")
     ap.add_argument("--set", default="", help="config changes to the preset, e.g. 'hidden_size=1536,num_hidden_layers=1'")
+    ap.add_argument("--options", default="", help="compile options, e.g. 'down_split=1'")
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args(argv)
     from .model import load_spec
-    from .runtime.gpu import GpuBackend
+    from .options import CompileOptions
+    from .runtime.gpu import CompiledModel, GpuBackend, device_multiprocessors
+    options = CompileOptions.parse(args.options)
     from .synthetic import preset, random_checkpoint
     changes = {}
     for part in filter(None, args.set.split(",")):
@@ -34,7 +37,8 @@ def main(argv=None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="kiec-sancheck-"))
     (folder / "config.json").write_text(json.dumps(cfg))
     spec = load_spec({"weights": str(folder), "max_seq_len": 256})
-    backend = GpuBackend(spec, checkpoint=random_checkpoint(cfg, seed=1), quiet=True, timeout_s=30.0)
+    compiled = CompiledModel(spec, device_multiprocessors(), quiet=True, options=options)
+    backend = GpuBackend(spec, checkpoint=random_checkpoint(cfg, seed=1), quiet=True, timeout_s=30.0, compiled=compiled)
     logits = backend.forward([1, 2, 3], 0)
     for i in range(args.steps):
         logits = backend.forward([int(np.argmax(logits))], 3 + i)
