@@ -75,8 +75,6 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
         flags |= 32
     if sched.grid.devices > 1 and s.kind == "down" and s.layer == sched.config["layers"] - 1:
         flags |= 64          # the last residual: mirrored to every device for the LM head
-    if g is not None and g.split:
-        flags |= 128
     prev = sched.stages[s.index - 1] if s.index else None
     # every stage waits for all of the one before it, except attention (its KV group's qkv tiles)
     # and layer 0's qkv (the token); an attention stage signals once per KV group, or once per split
@@ -89,10 +87,7 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
         # query head (every path signals its group's heads)
         wait_count = (prev.attr("heads") if prev.attr("by_head_keys") else prev.attr("kv_heads")) if combined else prev.tiles
     norm = {"qkv": "attn_norm", "gate_up": "ffn_norm"}.get(s.kind)
-    groups = tickets = partials = 0
-    if g is not None and g.split:
-        tickets = sync[f"lane.split_ticket.{s.index}"][0]
-        partials = sched.memory["acts"][f"lane.split_partial.{s.index}"][0]
+    groups = tickets = 0
     if s.kind == "qkv":
         groups = sync[f"lane.group.{s.index}.0"][0]
     if s.kind == "attention":
@@ -116,7 +111,7 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
         eps=repr(float(s.attr("eps", 0.0))), flags=flags, mode=MODES[s.attr("mode", "present")],
         delay=s.attr("delay", 0), q_rows=s.attr("q_rows", 0), kv_rows=s.attr("kv_rows", 0), window=s.attr("window", 0),
         done=sync[f"lane.done.{s.index}"][0] if f"lane.done.{s.index}" in sync else "NONE",
-        wait=wait if wait != NONE else "NONE", wait_count=wait_count, groups=groups, tickets=tickets, partials=partials,
+        wait=wait if wait != NONE else "NONE", wait_count=wait_count, groups=groups, tickets=tickets,
         signals=0, trace=trace[s.index][0], primed=primed_by(sched, s))
 
 
@@ -174,8 +169,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              attention_marked=sched.grid.marks_only >= 1 and not att.attr("combine_in_attn_out"),
              qkv_marked=sched.grid.marks_only >= 2, x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
              gemv_tiles=all(s.gemv.tiled for s in sched.gemv_stages()), tile_rows=TILE_ROWS, tile_cols=TILE_COLS,
-             lm_head_pass_rows=next(s.gemv.pass_rows for s in sched.stages if s.kind == "lm_head"),
-             split=any(s.gemv.split for s in sched.gemv_stages()))
+             lm_head_pass_rows=next(s.gemv.pass_rows for s in sched.stages if s.kind == "lm_head"))
     m = dict(w_embed=w["embed"][0], w_final_norm=w["final_norm"][0], w_rope=w["rope"][0],
              w_lanes_base=w["__lanes_base"][0], w_lane_stride=w["__lane_stride"][0], w_total=w["__total"][0],
              w_device_total=w["__device_total"][0],

@@ -2,7 +2,6 @@
 graph interpreter (the twin reads the packed blob exactly as the kernel does)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -12,7 +11,7 @@ from kiec.errors import KiecError
 from kiec.ir.graph import Graph
 from kiec.model import load_spec
 from kiec.options import CompileOptions
-from kiec.ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS, split_runs
+from kiec.ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS
 from kiec.pack import pack_weights, permute_pairs, tile_rows, unpermute_pairs, untile_rows
 from kiec.passes.fuse import fuse
 from kiec.passes.memplan import memplan
@@ -466,42 +465,6 @@ def test_slot_pairs_are_on_where_one_group_reads_at_most_4_tiles_a_warp(models):
             build_schedule(cuda, options=CompileOptions.parse(text))
     with pytest.raises(KiecError, match="slot_pairs"):
         CompileOptions.parse("slot_pairs=2")
-
-
-@pytest.mark.parametrize("blocks", [132, 97, 300])
-def test_down_split_gives_each_block_one_run_and_each_shared_group_a_ticket(tmp_path, blocks):
-    """down_split=1: down's units in one contiguous run a block of the lane, together the matrix once;
-    the scratch holds the partial sums of the most row groups a run touches; memplan gives each run two
-    rows of partials (its first and last group) and each row group a ticket word. Every other stage
-    is the default's. Refused by name where the matrices are rows, and with lanes."""
-    spec = spec_of(_config_only(tmp_path, "qwen2.5-1.5b"), target="cuda:sm_90")
-    _, default = build_schedule(spec, blocks)
-    _, sched = build_schedule(spec, blocks, options=CompileOptions.parse("down_split=1"))
-    assert sched.grid.slots == default.grid.slots
-    def unrotated(stage):       # the tiles' rotation carries on from down's tile count
-        return dataclasses.replace(stage, attrs=tuple(kv for kv in stage.attrs if kv[0] != "rotation"))
-
-    for s, d in zip(sched.stages, default.stages):
-        if s.kind != "down":
-            assert unrotated(s) == unrotated(d)
-            continue
-        g = s.gemv
-        units = g.groups * g.row_tiles
-        runs = split_runs(units, s.tiles)
-        assert g.split and s.tiles == min(blocks, units) and d.tiles < blocks
-        assert runs[0][0] == 0 and runs[-1][1] == units and all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
-        assert max(e - b for b, e in runs) == -(-units // s.tiles)
-        touched = [-(-e // g.row_tiles) - b // g.row_tiles for b, e in runs]
-        assert g.rows_per_tile == g.pass_rows == max(touched) * TILE_ROWS
-        assert sched.grid.scratch_bytes >= 4 * g.pass_rows * sched.grid.consumer_warps
-        assert sched.memory["acts"][f"lane.split_partial.{s.index}"][1] == 4 * 2 * s.tiles * TILE_ROWS
-        assert sched.memory["sync"][f"lane.split_ticket.{s.index}"][1] == 4 * g.groups
-    assert "runs of 407+ units" in sched.dump() or blocks != 132
-    for text, where in (("down_split=1,gemv_tiles=0", spec), ("down_split=1", spec.replace(lanes=2))):
-        with pytest.raises(KiecError, match="down_split.*not tiled or with lanes"):
-            build_schedule(where, blocks, options=CompileOptions.parse(text))
-    with pytest.raises(KiecError, match="down_split"):
-        CompileOptions.parse("down_split=2")
 
 
 def test_tiled_order_is_the_kernel_s_and_round_trips():

@@ -39,7 +39,6 @@ class Gemv:
     rows_per_tile: int = 0  # set by schedule
     pass_rows: int = 0      # set by schedule: the rows whose partial sums the scratch holds at once (a tile's, or fewer)
     tiled: bool = False     # groups of TILE_ROWS rows stored as TILE_ROWS x TILE_COLS tiles (kiec.pack)
-    split: bool = False     # tiled, its tiles are runs of units (split_runs), not whole row groups
 
     @property
     def stride(self) -> int:
@@ -57,23 +56,6 @@ class Gemv:
     @property
     def bytes(self) -> int:
         return self.packed_rows * self.stride * 2
-
-    @property
-    def row_tiles(self) -> int:
-        """Units in one row group of a tiled matrix."""
-        return self.stride // TILE_COLS
-
-    @property
-    def groups(self) -> int:
-        """Row groups of a tiled matrix."""
-        return self.packed_rows // TILE_ROWS
-
-
-def split_runs(units: int, runs: int) -> list:
-    """The units [begin, end) of each of `runs` contiguous runs over a matrix's `units`: run t starts at
-    floor(t * units / runs), as the kernel works it out (tile_of). A run may start or end inside a row
-    group; such a group's rows are summed across the runs that share it."""
-    return [(t * units // runs, (t + 1) * units // runs) for t in range(runs)]
 
 
 def gemv_shape(rows: int, cols: int, max_segments: int = 8) -> Gemv:
@@ -181,9 +163,8 @@ class Schedule:
             cut = (f"tiles of {TILE_ROWS}x{TILE_COLS}, stride {g.stride}" if g.tiled else f"seg {g.segments}x{g.seg_width}"
                    ) if g else ""
             passes = f" (passes of {g.pass_rows})" if g and g.pass_rows < g.rows_per_tile else ""
-            tiles = (f"runs of {g.groups * g.row_tiles // s.tiles}+ units (at most {g.rows_per_tile} rows)" if g and g.split
-                     else f"rows/tile {g.rows_per_tile}" if g else "")
-            shape = f" gemv {g.rows}x{g.cols} {cut} {tiles}{passes} @ {g.offset}" if g else ""
+            shape = (f" gemv {g.rows}x{g.cols} {cut} rows/tile {g.rows_per_tile}{passes}"
+                     f" @ {g.offset}" if g else "")
             attrs = " ".join(f"{k}={v}" for k, v in s.attrs)
             lines.append(f"  {s.index:3d} {s.name:<22} tiles={s.tiles}{shape} {attrs}".rstrip())
         for region, buffers in self.memory.items():

@@ -11,9 +11,7 @@ Guarantees four regions, each a dict name -> (offset, bytes), 256-byte aligned:
   schedule says so; the embedding stays rows (a step reads one), so a tied LM head gets a
   tiled copy of its own.
   `packing` says how each entry is built from the graph's weights (kiec.pack applies it).
-- `acts`: fp32 activations, per lane (`lane_stride` apart) then shared (logits, ...); a split stage
-  (`Gemv.split`) keeps each run's partial sums of the row groups it shares there (`split_partial`,
-  [run][first, last][row]) and counts each group's runs in `sync` (`split_ticket`, a word a group); a debug build
+- `acts`: fp32 activations, per lane (`lane_stride` apart) then shared (logits, ...); a debug build
   (`Grid.kv_store_late`) keeps each step's new K and V rows there (`kv_late`) until the step's end.
 - `kv`: the KV cache per lane, [layer][kv head][position][head_dim], 16-bit.
 - `sync`: counters and flags, each on its own 128-byte line; shared ones first. Each lane's part
@@ -38,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import KiecError
-from ..ir.schedule import TILE_ROWS, Schedule
+from ..ir.schedule import Schedule
 
 ALIGN = 256
 LINE = 128
@@ -124,9 +122,6 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     lane_acts.add("attn_partial", 4 * att.attr("kv_heads") * att.attr("splits") * group * (hd + 4))
     if sched.grid.kv_store_late:        # a debug build's new K and V rows of every layer, 16-bit, until the step's end
         lane_acts.add("kv_late", 2 * cfg.layers * 2 * att.attr("kv_heads") * hd)
-    for s in stages:
-        if s.gemv is not None and s.gemv.split:      # a run's partial sums of its first and its last row group
-            lane_acts.add(f"split_partial.{s.index}", 4 * 2 * s.tiles * TILE_ROWS)
     residual = [s for s in stages if s.kind in ("attn_out", "down")]
     if lanes > LINE // 4:
         raise KiecError("lanes", lanes, f"at most {LINE // 4} (one {LINE}-byte line holds a tile's peer flags)")
@@ -174,8 +169,6 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
         if s.kind == "attention":
             for j in range(s.attr("kv_heads")):
                 lane_sync.add(f"ticket.{s.index}.{j}", LINE)
-        if s.gemv is not None and s.gemv.split:      # one word a row group: the runs that shared it, counted
-            lane_sync.add(f"split_ticket.{s.index}", 4 * s.gemv.groups)
     if slots:
         lane_sync.add("peer_flags", LINE * slots * 2 * exchange_tiles)   # [slot][sublayer][tile]
     sync_map = dict(sync.entries)

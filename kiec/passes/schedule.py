@@ -26,9 +26,6 @@ Guarantees:
   over the keys scores `pass_heads` query heads, the group spread evenly over as few passes as
   `heads_per_pass` (4) allows; with `combine_in_attn_out` every split tile signals and attn_out's
   prologue combines them;
-- with `down_split` (tiled, one lane) down's tiles are contiguous runs of its units, one a block of the
-  lane (`split_runs`): a run may start or end inside a row group, whose rows the runs sharing it sum
-  across blocks (each run's partial in its place, the group's last arrival adding them in run order);
 - tile t of a stage runs on block (t + rotation) % blocks, the rotation carrying on
   from the previous stage, so small stages land on different blocks;
 - shared memory holds the ring of weight slots plus one scratch area (input vector,
@@ -55,8 +52,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import KiecError
-from ..ir.schedule import (TILE_BYTES, TILE_COLS, TILE_ROWS, Gemv, Grid, Schedule, Stage, gemv_shape, gemv_tiled,
-                           split_runs)
+from ..ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS, Grid, Schedule, Stage, gemv_shape, gemv_tiled
 from ..options import CompileOptions
 from ..targets import Target
 
@@ -98,9 +94,6 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     if options.tile_accumulators and not tiled:
         raise KiecError("tile_accumulators", options.tile_accumulators,
                         "unset where the matrices are not tiled (gemv_tiles=0 or the target)")
-    if options.down_split and (not tiled or lanes > 1):
-        raise KiecError("down_split", options.down_split, "0 where the matrices are not tiled or with lanes (a split "
-                        "row's partials are summed on one lane, not exchanged)")
     if warps % slot_groups:
         raise KiecError("slot_groups", slot_groups, f"a divisor of the {warps} consumer warps")
     if options.ring_evict_first and not target.ring_evict_first:
@@ -128,8 +121,6 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             cut = gemv_tiled(s.gemv.rows, s.gemv.cols, warps) if tiled else gemv_shape(s.gemv.rows, s.gemv.cols, warps)
             gemv = dataclasses.replace(s.gemv, segments=cut.segments, seg_width=cut.seg_width,
                                        rows_per_tile=rows_per_tile, pass_rows=rows_per_tile, tiled=tiled)
-            if s.kind == "down" and options.down_split:
-                gemv, tiles = _split(gemv, per_lane)
             stages.append(dataclasses.replace(s, gemv=gemv, tiles=tiles))
         elif s.kind == "attention":
             if s.attr("head_dim") % 8:
@@ -256,18 +247,6 @@ def attention_splits(lo: int, pos: int, splits: int, batch: int, min_length: int
         return -(-n // batch) * batch, 1
     length = max(-(-(-(-n // splits)) // batch) * batch, min_length)
     return length, -(-n // length)
-
-
-def _split(gemv: Gemv, per_lane: int) -> tuple[Gemv, int]:
-    """down as runs of units, one a block of the lane (split_runs): the heaviest block streams
-    units / blocks units instead of a whole tile of row groups (Qwen-1.5B's 1,536 rows in 16-row tiles
-    leave 36 of 132 blocks idle). rows_per_tile becomes the most rows a run touches: its partial sums'
-    room in the scratch."""
-    units = gemv.groups * gemv.row_tiles
-    runs = min(per_lane, units)
-    groups = max(-(-end // gemv.row_tiles) - begin // gemv.row_tiles for begin, end in split_runs(units, runs))
-    rows = groups * TILE_ROWS
-    return dataclasses.replace(gemv, split=True, rows_per_tile=rows, pass_rows=rows), runs
 
 
 def _rotate(stages: list, per_lane: int, blocks: int) -> list:
