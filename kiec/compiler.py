@@ -36,14 +36,17 @@ def cmd_compile(args) -> int:
         return _check(spec, args, options)
     from .runtime.gpu import CompiledModel, device_multiprocessors
     sms = args.multiprocessors or device_multiprocessors()
-    model = CompiledModel(spec, sms, quiet=args.quiet, dump=args.dump, options=options)
+    # a grid sized by hand may be another device's: then its memory's pace is unknown here too
+    model = CompiledModel(spec, sms, quiet=args.quiet, dump=args.dump, options=options,
+                          device=None if args.multiprocessors else 0)
     grid = model.sched.grid
     print(f"kernel   {model.build.folder / 'kernel.hip'}")
     print(f"module   {model.build.module_path}")
     if args.dump:
         print(f"dump     {args.dump}")
-    print(f"grid     {grid.blocks} blocks x {grid.threads} threads, {grid.slots} ring slots of {grid.slot_bytes} bytes, "
-          f"{len(model.sched.stages)} stages; built in {model.build_s:.1f} s")
+    print(f"grid     {grid.blocks} blocks x {grid.threads} threads, {grid.slots} ring slots of {grid.slot_bytes} bytes "
+          f"({grid.copies_in_flight or 'no cap on'} copies in flight), {len(model.sched.stages)} stages; "
+          f"built in {model.build_s:.1f} s")
     print(model.build.report)
     return 0
 

@@ -60,13 +60,14 @@ def check_variant(name, spec, ckpt, compiled, options, reference_logits, log):
            "stage_err": {"vs default": float(f"{errs.max():.3g}")}, "first_bad_stage": None,
            "tf_max_err": float(f"{errs.max():.3g}"), "tf_argmax_agree": agree, "bitwise_repeat": None,
            "device_loop_equal": None, "slots": compiled.sched.grid.slots}
-    log(f"{out['model']}: vs default {errs.max():.3g}, slots {out['slots']}")
+    log(f"{out['model']}: vs default {errs.max():.3g}, slots {out['slots']}, "
+        f"{compiled.sched.grid.copies_in_flight} copies in flight")
     return out, backend
 
 
 def check_model(name, spec, cfg, compiled, log, keep: dict | None = None):
     """Every check of one build against the twin. Returns the results and the backend."""
-    from .golden import logit_errors, rel_err, stage_diffs
+    from .golden import logit_errors, stage_diffs
     from .pack import pack_weights
     from .reference.twin import Twin
     from .runtime.gpu import GpuBackend
@@ -268,7 +269,8 @@ def main(argv=None) -> int:
     for n in names:
         try:
             compiled = futures[n].result()
-            log(f"{n}: built in {compiled.build_s:.1f} s; {compiled.build.report.splitlines()[-1]}")
+            log(f"{n}: built in {compiled.build_s:.1f} s, {compiled.sched.grid.copies_in_flight} copies in flight; "
+                f"{compiled.build.report.splitlines()[-1]}")
             out, backend = check_model(n, *specs[n], compiled, log, kept if n == args.variant_model else None)
             results["models"].append(out)
             build = {n: (backend, specs[n][0].max_seq_len)}

@@ -34,7 +34,7 @@ def build_graph(spec: ModelSpec, dump: Path | None = None) -> Graph:
     return graph
 
 
-def schedule_steps(spec: ModelSpec, multiprocessors: int | None = None, options=None):
+def schedule_steps(spec: ModelSpec, multiprocessors: int | None = None, options=None, block_bandwidth=None):
     """(name, function) for the steps from a graph to a placed, memory-planned Schedule."""
     from .passes.fuse import fuse
     from .passes.memplan import memplan
@@ -47,30 +47,34 @@ def schedule_steps(spec: ModelSpec, multiprocessors: int | None = None, options=
     return [
         ("fuse", lambda g: fuse(g, spec.config)),                                     # ops -> stages
         ("schedule", lambda s: schedule(s, target, multiprocessors, spec.max_seq_len, options, spec.gpus,
-                                        spec.dtype)),                                   # tiles
+                                        spec.dtype, block_bandwidth)),                  # tiles
         ("memplan", lambda s: memplan(s, spec.config, spec.max_seq_len, spec.dtype)),  # offsets of everything
         ("prefill", lambda s: prefill(s, target, options.prefill_chunk)),           # the prompt path's plan
     ]
 
 
-def build_schedule(spec: ModelSpec, multiprocessors: int | None = None, dump: Path | None = None, options=None):
+def build_schedule(spec: ModelSpec, multiprocessors: int | None = None, dump: Path | None = None, options=None,
+                   block_bandwidth: float | None = None):
     graph = build_graph(spec, dump)
     sched = graph
     first = len(graph_steps(spec))
-    for index, (name, step) in enumerate(schedule_steps(spec, multiprocessors, options), start=first):
+    for index, (name, step) in enumerate(schedule_steps(spec, multiprocessors, options, block_bandwidth), start=first):
         sched = step(sched)
         if dump is not None:
             (dump / f"{index:02d}-{name}.sched").write_text(sched.dump())
     return graph, sched
 
 
-def render_sources(spec: ModelSpec, multiprocessors: int | None = None, dump: Path | None = None, options=None):
-    """(graph, schedule, files, module name): everything before the compiler."""
+def render_sources(spec: ModelSpec, multiprocessors: int | None = None, dump: Path | None = None, options=None,
+                   block_bandwidth: float | None = None):
+    """(graph, schedule, files, module name): everything before the compiler. `multiprocessors` and
+    `block_bandwidth` (a multiprocessor's share of the peak memory bandwidth, bytes/s) describe the device;
+    None: the target's defaults."""
     from .codegen import render
     from .targets import get_target
     from .toolchain import source_key
     target = get_target(spec.target)
-    graph, sched = build_schedule(spec, multiprocessors, dump, options)
+    graph, sched = build_schedule(spec, multiprocessors, dump, options, block_bandwidth)
     files = render(sched, target, "kiec_model")
     name = f"kiec_{source_key(files, target)}"
     files = render(sched, target, name)

@@ -375,6 +375,21 @@ def times_out_then_recovers(backend):
     assert np.array_equal(backend.teacher_forced([1, 2, 3, 4], 0), want)
 
 
+def test_the_copies_in_flight_follow_this_device_s_memory(built):
+    """The driver's memory clock and bus width give a multiprocessor's share of the peak bandwidth (the
+    H100 SXM 25 GB/s, the H200 37), and the builds here keep as many copies in flight as cover it over
+    the target's latency: 2 on an H100, 3 on an H200."""
+    from kiec.runtime.gpu import device_block_bandwidth
+    from kiec.targets import TARGETS
+    block = device_block_bandwidth()
+    assert block is not None and 10e9 < block < 100e9, block
+    cuda = TARGETS["cuda:sm_90"]
+    want = max(2, round(block * cuda.copy_latency_ns * 1e-9 / cuda.slot_bytes))
+    print(f"{block / 1e9:.1f} GB/s a multiprocessor: {want} copies in flight")
+    for spec, compiled in built.values():
+        assert compiled.sched.grid.copies_in_flight == min(want, compiled.sched.grid.slots)
+
+
 def test_one_launch_per_sequence_selects_what_one_launch_per_step_selects(built):
     sequence_launch_selects_what_step_launches_select(backend_of(built, "qwen2.5-1.5b"))
 

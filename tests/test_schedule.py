@@ -172,14 +172,25 @@ def test_a_short_context_takes_one_split_where_a_batch_is_one_pass(tmp_path, mod
         CompileOptions.parse("split_batches=0")
 
 
-def test_copies_in_flight_come_from_the_target_unless_asked(models):
+def test_copies_in_flight_follow_the_device_s_memory_unless_asked(models):
+    """Unknown device: the target's count. Known: the slots that cover a block's share of the peak
+    bandwidth over the target's latency, at least 2 (the H100 SXM 2, the H200 3; AMD keeps no cap).
+    Asked for: that, whatever the device."""
     spec = spec_of(models["tiny-llama"])
     for target in TARGETS:
         _, sched = build_schedule(spec.replace(target=target))
         assert sched.grid.copies_in_flight == min(TARGETS[target].copies_in_flight, sched.grid.slots)
+    cards = {"H100 SXM": (2619e6, 5120, 2), "H200": (3201e6, 6144, 3), "H100 PCIe": (1593e6, 5120, 2)}
+    for card, (clock, bus, want) in cards.items():
+        block = 2 * clock * bus / 8 / 132
+        _, sched = build_schedule(spec, 132, block_bandwidth=block)
+        assert sched.grid.copies_in_flight == want, card
+        _, amd = build_schedule(spec.replace(target="hip:gfx942"), block_bandwidth=block)
+        assert amd.grid.copies_in_flight == 0
     for text, want in (("copies_in_flight=0", 0), ("copies_in_flight=5", 5), ("copies_in_flight=64", None)):
-        _, sched = build_schedule(spec, options=CompileOptions.parse(text))
-        assert sched.grid.copies_in_flight == (sched.grid.slots if want is None else want), text
+        for block in (None, 2 * 2619e6 * 5120 / 8 / 132):
+            _, sched = build_schedule(spec, options=CompileOptions.parse(text), block_bandwidth=block)
+            assert sched.grid.copies_in_flight == (sched.grid.slots if want is None else want), text
     with pytest.raises(KiecError, match="copies_in_flight"):
         CompileOptions.parse("copies_in_flight=-1")
 

@@ -12,7 +12,6 @@ import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -51,19 +50,45 @@ def gpu_count() -> int:
     return count
 
 
-def device_multiprocessors(device: int = 0) -> int | None:
-    """The multiprocessor count, read through the CUDA driver's nvidia-smi-independent query."""
+# CUdevice_attribute values (cuda.h)
+MULTIPROCESSOR_COUNT, MEMORY_CLOCK_RATE, GLOBAL_MEMORY_BUS_WIDTH = 16, 36, 37
+
+
+def device_attributes(device: int, *attributes: int) -> list | None:
+    """CUDA driver attributes of a device (nvidia-smi-independent), or None without a driver or device."""
     try:
         import ctypes
         cuda = ctypes.CDLL("libcuda.so.1")
         if cuda.cuInit(0):
             return None
-        dev, count = ctypes.c_int(), ctypes.c_int()
-        cuda.cuDeviceGet(ctypes.byref(dev), device)
-        cuda.cuDeviceGetAttribute(ctypes.byref(count), 16, dev)   # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-        return count.value or None
+        dev = ctypes.c_int()
+        if cuda.cuDeviceGet(ctypes.byref(dev), device):
+            return None
+        values = []
+        for attribute in attributes:
+            value = ctypes.c_int()
+            if cuda.cuDeviceGetAttribute(ctypes.byref(value), attribute, dev):
+                return None
+            values.append(value.value)
+        return values
     except OSError:
         return None
+
+
+def device_multiprocessors(device: int = 0) -> int | None:
+    """The multiprocessor count."""
+    values = device_attributes(device, MULTIPROCESSOR_COUNT)
+    return values[0] or None if values else None
+
+
+def device_block_bandwidth(device: int = 0) -> float | None:
+    """A multiprocessor's share of the device's peak memory bandwidth, bytes/s: the memory clock (kHz,
+    two transfers a cycle) times the bus width, over the multiprocessors (H100 SXM: 3.35 TB/s / 132)."""
+    values = device_attributes(device, MULTIPROCESSOR_COUNT, MEMORY_CLOCK_RATE, GLOBAL_MEMORY_BUS_WIDTH)
+    if not values or not all(values):
+        return None
+    sms, clock_khz, bus_bits = values
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / sms
 
 
 def lane_devices(spec: ModelSpec, device: int = 0, devices=None) -> list:
@@ -85,17 +110,20 @@ def lane_multiprocessors(devices) -> int | None:
 
 
 class CompiledModel:
-    """A model's schedule, sources and built module (one build per source hash)."""
+    """A model's schedule, sources and built module (one build per source hash), for `device`'s memory
+    (its pace sets how many weight copies a block keeps in flight; None: the target's count)."""
 
     def __init__(self, spec: ModelSpec, multiprocessors: int | None = None, build_root: Path | None = None,
-                 quiet: bool = False, dump: Path | None = None, options=None):
+                 quiet: bool = False, dump: Path | None = None, options=None, device: int | None = 0):
         from ..fetch import cache_dir
         from ..pipeline import render_sources
         from ..targets import get_target
         from ..toolchain import build
         self.spec = spec
         self.target = get_target(spec.target)
-        self.graph, self.sched, self.files, self.name = render_sources(spec, multiprocessors, dump, options)
+        block_bandwidth = device_block_bandwidth(device) if device is not None else None
+        self.graph, self.sched, self.files, self.name = render_sources(spec, multiprocessors, dump, options,
+                                                                       block_bandwidth)
         folder = (build_root or cache_dir() / "build") / f"{slug(spec.name)}-{self.name[5:]}"
         t0 = time.perf_counter()
         self.build = build(self.files, self.target, folder, self.name, quiet=quiet)
@@ -124,7 +152,8 @@ class GpuBackend:
         from ..weights import load_checkpoint, materialize
         self.spec, self.device, self.timeout_s = spec, device, timeout_s
         self.devices = lane_devices(spec, device, devices)
-        self.compiled = compiled or CompiledModel(spec, lane_multiprocessors(self.devices), quiet=quiet)
+        self.compiled = compiled or CompiledModel(spec, lane_multiprocessors(self.devices), quiet=quiet,
+                                                  device=self.devices[0])
         self.sched = self.compiled.sched
         self.kernel = self.compiled.module.Kernel(self.devices)
         ckpt = checkpoint or load_checkpoint(spec)
