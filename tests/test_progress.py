@@ -63,3 +63,27 @@ def test_a_long_prompt_on_the_reference_goes_in_chunks_with_its_progress(tiny_ll
     seen.clear()
     shown.forward(tokens[:PROMPT_CHUNK], 0)          # a prompt of one chunk: no bar
     assert not seen
+
+
+def test_a_request_cancelled_while_its_prompt_goes_in_stops_at_the_next_chunk(tiny_llama):
+    """A long prompt on the reference goes in chunks; where the request is cancelled (its client left)
+    the engine stops at the next chunk with Cancelled, and the cache keeps the prefix it had before: the
+    same prompt afterwards gives the logits of a fresh start."""
+    from types import SimpleNamespace
+    import numpy as np
+    import pytest
+    from kiec.model import load_spec
+    from kiec.runtime.engine import PROMPT_CHUNK, Cancelled, Engine, ReferenceBackend
+    from kiec.runtime.sampling import SamplingParams
+    spec = load_spec(str(tiny_llama), {"max_seq_len": 512})
+    prompt = [int(t) for t in np.random.default_rng(1).integers(spec.config.vocab, size=100 + PROMPT_CHUNK + 44)]
+    backend = ReferenceBackend(spec)
+    engine = Engine(spec, backend=backend, tokenizer=SimpleNamespace(vocab_size=spec.config.vocab, eos_ids=()))
+    backend.forward(prompt[:100], 0)
+    engine.cached = prompt[:100]
+    asked = []
+    with pytest.raises(Cancelled, match=f"after {PROMPT_CHUNK} of the prompt's {len(prompt) - 100} tokens"):
+        next(engine.generate(prompt, SamplingParams(max_tokens=1), lambda: asked.append(1) or True))
+    assert len(asked) == 1 and engine.cached == prompt[:100]
+    again = backend.forward(prompt[100:], 100)
+    assert np.allclose(again, ReferenceBackend(spec).forward(prompt, 0), rtol=1e-5, atol=1e-5)

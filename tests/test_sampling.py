@@ -252,7 +252,7 @@ class ScriptedBackend:
     def __init__(self, script, vocab: int, max_seq_len: int = 64):
         self.script, self.vocab, self.max_seq_len = list(script), vocab, max_seq_len
 
-    def forward(self, tokens, start):
+    def forward(self, tokens, start, cancelled=None):
         logits = np.zeros(self.vocab, np.float32)
         logits[self.script.pop(0)] = 1.0
         return logits

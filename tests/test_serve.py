@@ -374,13 +374,16 @@ def test_the_request_log_says_failed_and_the_status_sent(caplog):
     from types import SimpleNamespace
     from kiec.runtime.server import _log_request
     request = SimpleNamespace(method="POST", url=SimpleNamespace(path="/v1/completions"))
-    job = SimpleNamespace(stats=None, queued_s=0.001, cancelled=threading.Event())
+    job = SimpleNamespace(stats=None, queued_s=0.001, cancelled=threading.Event(), prompt=[1, 2, 3], left_in_prompt=False)
     reply = SimpleNamespace(id="cmpl-1", finish_reason=None)
     with caplog.at_level(logging.INFO, logger="kiec"):
         _log_request(request, job, reply, 500, True)
         _log_request(request, job, reply, 200, False)
+        job.left_in_prompt = True
+        _log_request(request, job, reply, 200, False)
     assert "POST /v1/completions 500 cmpl-1 failed" in caplog.text
-    assert "POST /v1/completions 200 cmpl-1 cancelled" in caplog.text
+    assert "POST /v1/completions 200 cmpl-1 cancelled: queued 1 ms\n" in caplog.text
+    assert "200 cmpl-1 cancelled: queued 1 ms, left during its prompt of 3 tokens" in caplog.text
 
 
 def test_a_body_cut_short_by_its_client_is_a_plain_error():
@@ -555,6 +558,36 @@ def test_requests_wait_in_order_and_leaving_clients_free_the_engine(server, clie
     cancelled = re.findall(r"200 cmpl-\w+ cancelled: \d+ prompt tokens \(\d+ cached\), (\d+) completion tokens", log)
     assert cancelled and int(cancelled[-1]) < 1000
     assert re.search(r"200 cmpl-\w+ cancelled: queued", log)
+
+
+def test_a_job_cancelled_while_its_prompt_goes_in_counts_as_cancelled_not_failed():
+    """The engine stops a cancelled job between chunks of its prompt (Cancelled): the worker counts it
+    cancelled, logs no error, sends its client nothing and goes on to the next job."""
+    import asyncio
+    from kiec.runtime.engine import Cancelled
+    from kiec.runtime.worker import EngineWorker
+
+    class LongPrompt:                 # an engine whose prompt goes in until the job is cancelled
+        last_stats = None
+
+        def generate(self, prompt, params, cancelled):
+            while not cancelled():
+                time.sleep(0.005)
+            raise Cancelled("after the first chunk")
+            yield                     # a generator, as Engine.generate is
+
+    async def run() -> tuple:
+        worker = EngineWorker(LongPrompt(), max_queue=2)
+        job = worker.submit([1, 2, 3], None)
+        await asyncio.sleep(0.05)
+        job.cancel()
+        got = [token async for token in job.tokens()]
+        worker.stop()
+        return got, job, worker.status()
+
+    got, job, status = asyncio.run(run())
+    assert got == [] and job.left_in_prompt
+    assert status["cancelled"] == 1 and status["failed"] == 0 and not status["running"]
 
 
 def test_a_waiting_client_that_leaves_frees_its_place_in_the_queue(tiny_model, tmp_path):

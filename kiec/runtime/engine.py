@@ -48,7 +48,12 @@ class Stats:
         return (self.completion_tokens - 1) / gen if gen > 0 and self.completion_tokens > 1 else 0.0
 
 
-PROMPT_CHUNK = 256     # prompt tokens the reference takes at once where it shows progress
+PROMPT_CHUNK = 256     # prompt tokens the reference takes at once (its progress and cancel checks between)
+
+
+class Cancelled(Exception):
+    """The request was cancelled (its client left) while its prompt went in; the cache keeps the prefix
+    it had before."""
 
 
 class ReferenceBackend:
@@ -72,17 +77,19 @@ class ReferenceBackend:
         self.vocab = spec.config.vocab
         self.progress = progress
 
-    def forward(self, tokens, start: int) -> np.ndarray:
+    def forward(self, tokens, start: int, cancelled=None) -> np.ndarray:
         """Logits [vocab] after appending `tokens` at position `start` (the cache below stays). A long
-        prompt goes in chunks, its progress shown (numpy takes about 25 ms a token for SmolLM2)."""
+        prompt goes in chunks (numpy takes about 25 ms a token for SmolLM2), its progress shown, and
+        `cancelled()` asked between them: Cancelled once it says so."""
         self.model.reset(start)
         tokens = list(tokens)
         shown = self.progress is not None and len(tokens) > PROMPT_CHUNK
-        chunk = PROMPT_CHUNK if shown else len(tokens)
-        for done in range(0, len(tokens), chunk):
+        for done in range(0, len(tokens), PROMPT_CHUNK):
+            if done and cancelled is not None and cancelled():
+                raise Cancelled(f"after {done} of the prompt's {len(tokens)} tokens")
             if shown:
                 report(self.progress, "prompt", done, len(tokens))
-            logits = self.model.forward(tokens[done:done + chunk])
+            logits = self.model.forward(tokens[done:done + PROMPT_CHUNK])
         if shown:
             report(self.progress, "prompt", len(tokens), len(tokens))
         return np.asarray(logits[-1], dtype=np.float32)
@@ -152,8 +159,9 @@ class Engine:
         params.check_vocab(self.vocab)
         return prompt
 
-    def generate(self, prompt: list[int], params: SamplingParams | None = None) -> Iterator[Token]:
-        """Streams the completion of `prompt` (token ids)."""
+    def generate(self, prompt: list[int], params: SamplingParams | None = None, cancelled=None) -> Iterator[Token]:
+        """Streams the completion of `prompt` (token ids). `cancelled()`, where given, is asked while the
+        prompt goes in (a long one takes a while on the reference): Cancelled once it says so."""
         params = params or SamplingParams()
         prompt = self.check_request(prompt, params)
         stats = Stats(prompt_tokens=len(prompt))
@@ -166,7 +174,7 @@ class Engine:
             common += 1
         stats.cached_tokens = common
         self.cached = self.cached[:common]
-        logits = self.backend.forward(prompt[common:], common)
+        logits = self.backend.forward(prompt[common:], common, cancelled)
         self.cached = list(prompt)
         sampler = Sampler(params, self.tokenizer.eos_ids)
         decoder = self.tokenizer.stream_decoder()

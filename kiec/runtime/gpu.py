@@ -238,10 +238,14 @@ class GpuBackend:
                            f"block {block}, step {step}", "a launch that completes",
                            f"waited for {target}, saw {seen}; the kernel stopped itself instead of hanging")
 
-    def forward(self, tokens, start: int) -> np.ndarray:
+    def forward(self, tokens, start: int, cancelled=None) -> np.ndarray:
         """Logits [vocab] after feeding `tokens` at positions start..: a prefill of all but the last,
-        then one decode step (or, without prefill kernels, one launch of len(tokens) decode steps)."""
+        then one decode step (or, without prefill kernels, one launch of len(tokens) decode steps).
+        `cancelled()` is asked between the two: Cancelled once it says so."""
+        from .engine import Cancelled
         tokens, start = self._prefilled(tokens, start)
+        if cancelled is not None and cancelled():
+            raise Cancelled("after the prompt's prefill")
         self._launch(tokens, len(tokens), start)
         self._finish()
         return self.read_logits()

@@ -282,8 +282,9 @@ def _log_request(request, job, reply: Reply, status: int, failed: bool) -> None:
     s = job.stats
     outcome = reply.finish_reason or ("failed" if failed else "cancelled")
     if s is None:
-        log.info("%s %s %d %s %s: queued %.0f ms", request.method, request.url.path, status, reply.id, outcome,
-                 job.queued_s * 1e3)
+        left = f", left during its prompt of {len(job.prompt)} tokens" if job.left_in_prompt else ""
+        log.info("%s %s %d %s %s: queued %.0f ms%s", request.method, request.url.path, status, reply.id, outcome,
+                 job.queued_s * 1e3, left)
         return
     log.info("%s %s %d %s %s: %d prompt tokens (%d cached), %d completion tokens, queued %.0f ms, "
              "first token %.0f ms, %.1f tok/s decode, %.2f s", request.method, request.url.path, status, reply.id, outcome,

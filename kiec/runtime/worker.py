@@ -4,7 +4,8 @@ Batch 1 is the point of kiec, so the engine is never shared: the event loop subm
 `Job`, this thread runs the engine's generator and hands each `Token` back to the
 loop with `call_soon_threadsafe` (the loop never waits on the engine). A bounded
 number of jobs may wait; past that `submit` raises `QueueFull`. A job cancelled by
-its client (it disconnected) stops at its next token, or is skipped if still waiting,
+its client (it disconnected) stops at its next token, or between chunks of its prompt where the
+backend takes it in several, or is skipped if still waiting,
 so the engine goes straight to the next one; a waiting job stops counting against the
 bound as soon as its client leaves, not when the engine reaches it. Keeping every engine
 call on one thread also suits a GPU backend, whose device context belongs to a thread.
@@ -18,6 +19,7 @@ import threading
 import time
 
 from ..errors import is_request_error
+from .engine import Cancelled
 
 log = logging.getLogger("kiec.serve")
 DONE = object()          # the end-of-job marker in a job's event queue
@@ -36,6 +38,7 @@ class Job:
         self.submitted = time.perf_counter()
         self.started = None
         self.queued = True           # counted in the worker's `waiting` (under its lock)
+        self.left_in_prompt = False  # cancelled while its prompt went in (no token came)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -125,7 +128,7 @@ class EngineWorker:
         job.started = time.perf_counter()
         if job.cancelled.is_set():
             return "cancelled"
-        tokens = self.engine.generate(job.prompt, job.params)
+        tokens = self.engine.generate(job.prompt, job.params, job.cancelled.is_set)
         try:
             for token in tokens:
                 job.stats = self.engine.last_stats     # this job's, from its first token on
@@ -133,6 +136,9 @@ class EngineWorker:
                 if job.cancelled.is_set():    # the client left: the next token is never computed
                     return "cancelled"
             return "completed"
+        except Cancelled:                     # the client left while its prompt went in
+            job.left_in_prompt = True
+            return "cancelled"
         except Exception as err:              # the job's client gets it; the worker goes on
             if not is_request_error(err):
                 log.exception("engine failed on a request")
