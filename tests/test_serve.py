@@ -352,7 +352,7 @@ def test_the_worker_logs_a_gpu_failure_and_not_a_bad_request(caplog):
         def __init__(self, error):
             self.error = error
 
-        def generate(self, prompt, params):
+        def generate(self, prompt, params, cancelled):
             raise self.error
             yield
 
@@ -367,6 +367,40 @@ def test_the_worker_logs_a_gpu_failure_and_not_a_bad_request(caplog):
         caplog.clear()
         asyncio.run(run(error))
         assert ("engine failed" in caplog.text) == (status == 500), (error, caplog.text)
+
+
+def test_an_engine_that_fails_to_start_a_job_fails_it_and_the_worker_goes_on(caplog):
+    """An error from the engine's generate call itself (before its first token) reaches the job's client
+    and the log; the worker's thread lives on and runs the next job."""
+    from kiec.runtime.worker import EngineWorker
+
+    class Unstartable:
+        last_stats = None
+        calls = 0
+
+        def generate(self, prompt, params, cancelled):
+            self.calls += 1
+            if self.calls == 1:
+                raise RuntimeError("no engine today")
+            return self.nothing()
+
+        def nothing(self):            # a generator with no tokens, as Engine.generate's would be
+            return
+            yield
+
+    async def run() -> tuple:
+        worker = EngineWorker(Unstartable(), 4)
+        first, second = worker.submit([1], None), worker.submit([2], None)
+        with pytest.raises(RuntimeError, match="no engine today"):
+            async for _ in first.tokens():
+                pass
+        got = [token async for token in second.tokens()]
+        worker.stop()
+        return got, worker.status()
+
+    got, status = asyncio.run(run())
+    assert got == [] and status["failed"] == 1 and status["completed"] == 1
+    assert "engine failed" in caplog.text
 
 
 def test_the_request_log_says_failed_and_the_status_sent(caplog):

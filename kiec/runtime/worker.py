@@ -128,8 +128,9 @@ class EngineWorker:
         job.started = time.perf_counter()
         if job.cancelled.is_set():
             return "cancelled"
-        tokens = self.engine.generate(job.prompt, job.params, job.cancelled.is_set)
-        try:
+        tokens = None
+        try:                                  # an engine that fails even to start fails the job, not this thread
+            tokens = self.engine.generate(job.prompt, job.params, job.cancelled.is_set)
             for token in tokens:
                 job.stats = self.engine.last_stats     # this job's, from its first token on
                 job._emit(token)
@@ -145,4 +146,5 @@ class EngineWorker:
             job._emit(err)
             return "failed"
         finally:
-            tokens.close()
+            if tokens is not None:
+                tokens.close()
