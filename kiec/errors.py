@@ -1,4 +1,5 @@
-"""The one error type users see: it names the field, the value and what was expected."""
+"""The one error type users see: it names the field, the value and what was expected; and the
+exceptions the runtime raises beside it (a device's failure, a cancelled request)."""
 from __future__ import annotations
 
 import difflib
@@ -15,6 +16,11 @@ class KiecError(Exception):
 
 class DeviceError(KiecError):
     """The GPU kernel stopped itself (a bounded wait ran out) or a CUDA/HIP call failed."""
+
+
+class Cancelled(Exception):
+    """A request cancelled (its client left) while its prompt went in: not an error of the request or
+    the server. The engine's cache keeps the prefix it had before."""
 
 
 def is_request_error(err: BaseException) -> bool:

@@ -18,7 +18,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny-llama")
     ap.add_argument("--set", default="", help="config changes to the preset, e.g. 'hidden_size=1536,num_hidden_layers=1'")
-    ap.add_argument("--options", default="", help="compile options, e.g. 'down_split=1'")
+    ap.add_argument("--options", default="", help="compile options, e.g. 'slot_pairs=0'")
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args(argv)
     from .model import load_spec

@@ -73,7 +73,8 @@ def test_a_request_cancelled_while_its_prompt_goes_in_stops_at_the_next_chunk(ti
     import numpy as np
     import pytest
     from kiec.model import load_spec
-    from kiec.runtime.engine import PROMPT_CHUNK, Cancelled, Engine, ReferenceBackend
+    from kiec.errors import Cancelled
+    from kiec.runtime.engine import PROMPT_CHUNK, Engine, ReferenceBackend
     from kiec.runtime.sampling import SamplingParams
     spec = load_spec(str(tiny_llama), {"max_seq_len": 512})
     prompt = [int(t) for t in np.random.default_rng(1).integers(spec.config.vocab, size=100 + PROMPT_CHUNK + 44)]

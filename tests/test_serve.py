@@ -598,7 +598,7 @@ def test_a_job_cancelled_while_its_prompt_goes_in_counts_as_cancelled_not_failed
     """The engine stops a cancelled job between chunks of its prompt (Cancelled): the worker counts it
     cancelled, logs no error, sends its client nothing and goes on to the next job."""
     import asyncio
-    from kiec.runtime.engine import Cancelled
+    from kiec.errors import Cancelled
     from kiec.runtime.worker import EngineWorker
 
     class LongPrompt:                 # an engine whose prompt goes in until the job is cancelled

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..errors import KiecError
+from ..errors import Cancelled, KiecError
 from ..model import ModelSpec
 from ..progress import report
 from .gpu import check_token_ids
@@ -49,11 +49,6 @@ class Stats:
 
 
 PROMPT_CHUNK = 256     # prompt tokens the reference takes at once (its progress and cancel checks between)
-
-
-class Cancelled(Exception):
-    """The request was cancelled (its client left) while its prompt went in; the cache keeps the prefix
-    it had before."""
 
 
 class ReferenceBackend:

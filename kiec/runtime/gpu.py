@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DeviceError, KiecError, is_int
+from ..errors import Cancelled, DeviceError, KiecError, is_int
 from ..model import ModelSpec
 
 PREFILL_KINDS = ("embed", "norm", "qkv", "rope_kv", "attention", "o", "gate_up", "down")   # kiec_prefill's order
@@ -242,7 +242,6 @@ class GpuBackend:
         """Logits [vocab] after feeding `tokens` at positions start..: a prefill of all but the last,
         then one decode step (or, without prefill kernels, one launch of len(tokens) decode steps).
         `cancelled()` is asked between the two: Cancelled once it says so."""
-        from .engine import Cancelled
         tokens, start = self._prefilled(tokens, start)
         if cancelled is not None and cancelled():
             raise Cancelled("after the prompt's prefill")

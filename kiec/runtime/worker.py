@@ -18,8 +18,7 @@ import queue
 import threading
 import time
 
-from ..errors import is_request_error
-from .engine import Cancelled
+from ..errors import Cancelled, is_request_error
 
 log = logging.getLogger("kiec.serve")
 DONE = object()          # the end-of-job marker in a job's event queue
