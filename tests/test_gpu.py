@@ -41,6 +41,8 @@ TWIN_SHAPES = {
                               intermediate_size=704, vocab_size=1001),
     "hd256-kv1": preset("tiny-llama", hidden_size=512, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
                         intermediate_size=512, vocab_size=512),
+    # a group of 3 whose 512 positions need 2 splits: the schedule keeps 3 so that it goes by head
+    "group3-by-head": preset("tiny-qwen2"),
 }
 
 

@@ -146,8 +146,8 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             batch = warps * (target.warp_size // lanes_per_key) * rows
             # the combine keeps each split's weights, (2 splits + 1) a head, where the warps' output sums
             # were: at most (warps x head_dim - 1) / 2 splits (gfx942's 4 waves reach it at head_dim 64)
-            splits = max(1, min(per_lane // s.attr("kv_heads"), -(-max_seq_len // batch),
-                                (warps * s.attr("head_dim") - 1) // 2))
+            room = min(per_lane // s.attr("kv_heads"), (warps * s.attr("head_dim") - 1) // 2)
+            splits = max(1, min(room, -(-max_seq_len // batch)))
             # a pass over the keys scores up to heads_per_pass query heads (8 accumulators each); a bigger
             # group takes several passes, each loading the keys again, with the heads spread evenly
             passes = -(-group // (options.heads_per_pass or 4))
@@ -162,13 +162,17 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             # launches from positions 128-512: Llama-1B 1.7-6.2% a step, Qwen-1.5B 3.9-8.2%); they break
             # even near 640 and 768 keys and lose beyond (Llama-1B at 1,000: +7%). Not by default with
             # lanes: beside their exchange, ptxas keeps one value in local memory (a 4-byte spill).
-            by_head_fits = group > 1 and not options.combine_in_attn_out and splits >= group
+            by_head_fits = group > 1 and not options.combine_in_attn_out and room >= group
             if options.attention_by_head and not by_head_fits:
                 raise KiecError("attention_by_head", options.attention_by_head,
-                                f"0 where attn_out combines the splits, a KV head has fewer than its {group} "
-                                f"query heads' tiles ({splits}) or a group has one head")
+                                f"0 where attn_out combines the splits, a KV head has room for fewer than its "
+                                f"{group} query heads' tiles ({room}) or a group has one head")
             by_head_keys = (options.attention_by_head if options.attention_by_head is not None
                             else 512 * (by_head_fits and lanes == 1))
+            # a KV head keeps a tile for each query head even where the context needs fewer splits: a
+            # model compiled for 160 positions (the bench's Qwen-1.5B row) had 5 splits for a group of 6,
+            # lost the by-head path and took 7% longer a step. Splits past the context stay unused.
+            splits = max(splits, group) if by_head_keys else splits
             attrs = dict(s.attrs, splits=splits, batch=batch, rows=rows, prefetch=prefetch, by_head_keys=by_head_keys,
                          min_split=batch * split_batches,
                          pass_heads=-(-group // passes), combine_in_attn_out=bool(options.combine_in_attn_out))
