@@ -55,7 +55,7 @@ def describe(spec: ModelSpec, context: int = 128) -> str:
         f"bytes/token {b['total'] / 1e6:.2f} MB at context {context}: weights {b['weights'] / 1e6:.2f} MB "
         f"+ KV cache {b['kv_cache'] / 1e6:.2f} MB",
         f"per lane   {b['per_lane_weights'] / 1e6:.2f} MB of lane weights + {b['shared'] / 1e6:.2f} MB replicated",
-        f"ops        " + ", ".join(f"{k} x{v}" for k, v in counts.items()),
+        "ops        " + ", ".join(f"{k} x{v}" for k, v in counts.items()),
         "",
         "graph (first layer and output):",
     ]

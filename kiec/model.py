@@ -10,7 +10,7 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import KiecError, is_int, is_number, nearest

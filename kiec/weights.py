@@ -220,7 +220,7 @@ def open_store(path: str, cfg: ArchConfig) -> WeightStore:
 
 def expected_tensors(cfg: ArchConfig, gguf_names: bool = False) -> dict:
     """canonical name -> (checkpoint name, shape) for every tensor the config needs."""
-    d, hd, f, v, L = cfg.hidden, cfg.head_dim, cfg.ffn, cfg.vocab, cfg.lanes
+    d, f, v, L = cfg.hidden, cfg.ffn, cfg.vocab, cfg.lanes
     out = {}
     if cfg.arch == "laneformer":
         norm = (d,) if cfg.replicated_norm else (L, d)

@@ -14,8 +14,7 @@ from kiec.options import CompileOptions
 from kiec.ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS
 from kiec.pack import pack_weights, permute_pairs, tile_rows, unpermute_pairs, untile_rows
 from kiec.passes.fuse import fuse
-from kiec.passes.memplan import memplan
-from kiec.passes.schedule import attention_splits, qkv_tiles_of_group, schedule
+from kiec.passes.schedule import attention_splits, qkv_tiles_of_group
 from kiec.pipeline import build_graph, build_schedule
 from kiec.reference.interpreter import Reference, reference_weights
 from kiec.reference.twin import Twin

@@ -11,7 +11,7 @@ Norms, the embedding and the LM head are replicated. Heads and FFN width must di
 from __future__ import annotations
 
 from ..errors import KiecError
-from ..ir.graph import Graph, Op, Tensor
+from ..ir.graph import Graph, Tensor
 
 # weight role -> how it is cut
 RULES = {
