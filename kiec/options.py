@@ -19,7 +19,6 @@ class CompileOptions:
     slot_groups: int | None = None      # consumer warp groups taking turns at the ring's slots (None: 1; tiled only)
     tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 4; tiled only)
     slot_pairs: int | None = None       # 1: a warp takes two full slots in one go where both are in (None: where it can; 0: one at a time)
-    norm_in_epilogue: int | None = None  # 1: qkv and gate_up multiply h by the norm's weights as it arrives and their row sums by 1/rms (None/0: x normalised before the stream)
     copies_in_flight: int | None = None  # a block's weight copies in flight in the layers at most (None: the target's; 0: no cap)
     lm_head_passes: int | None = None   # 1: the LM head's tile in one pass (None: in as few passes as give the ring another slot where the matrices are tiled)
     producer_registers: int | None = None  # registers a producer thread keeps, the consumers taking the rest (None: the target's)
@@ -59,9 +58,6 @@ class CompileOptions:
             raise KiecError("tile_accumulators", self.tile_accumulators, "1, 2 or 4")
         if self.slot_pairs not in (None, 0, 1):
             raise KiecError("slot_pairs", self.slot_pairs, "0 (a slot at a time) or 1 (two full slots in one go)")
-        if self.norm_in_epilogue not in (None, 0, 1):
-            raise KiecError("norm_in_epilogue", self.norm_in_epilogue,
-                            "0 (x normalised before the stream) or 1 (the row sums scaled by 1/rms in the epilogue)")
         if self.copies_in_flight is not None and not 0 <= self.copies_in_flight <= 64:
             raise KiecError("copies_in_flight", self.copies_in_flight, "0 (no cap) to 64 weight copies a block has in flight")
         if self.lm_head_passes not in (None, 1):

@@ -484,18 +484,6 @@ def test_slot_pairs_are_on_where_one_group_reads_at_most_4_tiles_a_warp(models):
         CompileOptions.parse("slot_pairs=2")
 
 
-def test_the_norm_in_the_epilogue_needs_tiled_matrices(models):
-    """1/rms scaling the row sums is written for the matrix units' x tiles: set where asked on tiled
-    matrices, in the kernel's constants, refused by name for FMAs over rows."""
-    cuda = spec_of(models["tiny-llama"], target="cuda:sm_90")
-    _, sched = build_schedule(cuda, options=CompileOptions.parse("norm_in_epilogue=1"))
-    assert sched.grid.norm_in_epilogue and not build_schedule(cuda)[1].grid.norm_in_epilogue
-    with pytest.raises(KiecError, match="norm_in_epilogue.*not tiled"):
-        build_schedule(cuda, options=CompileOptions.parse("norm_in_epilogue=1,gemv_tiles=0"))
-    with pytest.raises(KiecError, match="norm_in_epilogue"):
-        CompileOptions.parse("norm_in_epilogue=2")
-
-
 def test_tiled_order_is_the_kernel_s_and_round_trips():
     rows, stride = 13, 96                       # a last group of 5 rows, padded with zero rows
     m = np.arange(rows * stride, dtype=np.float32).reshape(rows, stride) + 1

@@ -115,7 +115,6 @@ class Grid:
     slot_groups: int = 1            # consumer warp groups taking turns at the ring's slots (tiled matrices)
     tile_accumulators: int = 4      # independent accumulators a warp's tile products go round (tiled matrices)
     slot_pairs: bool = False        # a consumer warp takes two full slots in one go where both are in (tiled matrices)
-    norm_in_epilogue: bool = False  # qkv and gate_up: x = h * w, their row sums scaled by 1/rms (tiled matrices)
     copies_in_flight: int = 0       # a block's weight copies in flight at most (0: as many as free slots)
     producer_registers: int = 0     # registers a producer thread keeps once the roles split (0: no rebalancing)
     consumer_registers: int = 0     # registers a consumer thread takes then (0: no rebalancing)

@@ -15,8 +15,7 @@ Guarantees:
   them; a tiled row has at least one tile per consumer warp, and a slot whole tiles for each
   warp reading it; with `slot_groups` warp groups the ring has a multiple of that many slots;
   with one group and at most 4 tiles a warp in a slot, a warp takes two full slots in one go
-  where both are in (`slot_pairs`, on by default there); with `norm_in_epilogue` (tiled only) qkv
-  and gate_up scale their row sums by the norm's 1/rms instead of x;
+  where both are in (`slot_pairs`, on by default there);
 - an attention stage (head_dim a multiple of 8) has one tile per (KV head, split of positions), at
   most one tile per block of the lane: `splits` per KV head, at most (warps x head_dim - 1) / 2 so
   that the combine's weights fit where the warps' sums were. The split length is chosen per step from the
@@ -229,8 +228,6 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
         raise KiecError("slot_pairs", options.slot_pairs, "0 where the matrices are not tiled, the warps read the slots "
                         f"in {slot_groups} groups or a slot holds more than 4 tiles a warp ({slot_bytes} bytes, "
                         f"{group_warps} warps)")
-    if options.norm_in_epilogue and not tiled:
-        raise KiecError("norm_in_epilogue", options.norm_in_epilogue, "0 where the matrices are not tiled (FMAs over rows)")
     grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
                 slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices,
                 producer_warps=target.producer_warps,
@@ -238,7 +235,6 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 timing_only=options.timing_only or 0, slot_groups=slot_groups,
                 tile_accumulators=options.tile_accumulators or 4,
                 slot_pairs=pairs_fit if options.slot_pairs is None else bool(options.slot_pairs),
-                norm_in_epilogue=bool(options.norm_in_epilogue),
                 copies_in_flight=min(_copies_in_flight(target, slot_bytes, block_bandwidth) if options.copies_in_flight is None
                                      else options.copies_in_flight, slots),
                 producer_registers=producer_registers, consumer_registers=consumer_registers,
