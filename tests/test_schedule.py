@@ -15,7 +15,7 @@ from kiec.ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS
 from kiec.pack import pack_weights, permute_pairs, tile_rows, unpermute_pairs, untile_rows
 from kiec.passes.fuse import fuse
 from kiec.passes.schedule import attention_splits, qkv_tiles_of_group
-from kiec.pipeline import build_graph, build_schedule
+from kiec.pipeline import build_graph, build_schedule, render_sources
 from kiec.reference.interpreter import Reference, reference_weights
 from kiec.reference.twin import Twin
 from kiec.synthetic import preset, write_random_model
@@ -192,6 +192,23 @@ def test_copies_in_flight_follow_the_device_s_memory_unless_asked(models):
             assert sched.grid.copies_in_flight == (sched.grid.slots if want is None else want), text
     with pytest.raises(KiecError, match="copies_in_flight"):
         CompileOptions.parse("copies_in_flight=-1")
+
+
+def test_down_s_copies_in_flight_follow_the_layers_unless_asked(models):
+    """down's slots are filled with the layers' cap unless down_copies_in_flight sets its own (at most
+    the ring's slots); the kernel gets both."""
+    spec = spec_of(models["tiny-llama"])
+    block = 2 * 2619e6 * 5120 / 8 / 132                       # an H100 SXM: 2 in the layers
+    _, sched = build_schedule(spec, 132, block_bandwidth=block)
+    assert sched.grid.down_copies_in_flight == sched.grid.copies_in_flight == 2
+    for text, want in (("down_copies_in_flight=4", 4), ("down_copies_in_flight=0", 0),
+                       ("down_copies_in_flight=64", sched.grid.slots)):
+        _, asked = build_schedule(spec, 132, options=CompileOptions.parse(text), block_bandwidth=block)
+        assert (asked.grid.copies_in_flight, asked.grid.down_copies_in_flight) == (2, want), text
+    files = render_sources(spec, 132, options=CompileOptions.parse("down_copies_in_flight=3"), block_bandwidth=block)[2]
+    assert "constexpr uint32_t DOWN_COPIES_IN_FLIGHT = 3;" in files["kernel.hip"]
+    with pytest.raises(KiecError, match="down_copies_in_flight"):
+        CompileOptions.parse("down_copies_in_flight=65")
 
 
 

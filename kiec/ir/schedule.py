@@ -116,6 +116,7 @@ class Grid:
     tile_accumulators: int = 4      # independent accumulators a warp's tile products go round (tiled matrices)
     slot_pairs: bool = False        # a consumer warp takes two full slots in one go where both are in (tiled matrices)
     copies_in_flight: int = 0       # a block's weight copies in flight at most (0: as many as free slots)
+    down_copies_in_flight: int = 0  # the same while it fills the down stage's slots
     producer_registers: int = 0     # registers a producer thread keeps once the roles split (0: no rebalancing)
     consumer_registers: int = 0     # registers a consumer thread takes then (0: no rebalancing)
     ring_evict_first: bool = False  # the ring's copies carry L2's evict-first hint

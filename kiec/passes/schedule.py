@@ -228,6 +228,8 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
         raise KiecError("slot_pairs", options.slot_pairs, "0 where the matrices are not tiled, the warps read the slots "
                         f"in {slot_groups} groups or a slot holds more than 4 tiles a warp ({slot_bytes} bytes, "
                         f"{group_warps} warps)")
+    copies = (_copies_in_flight(target, slot_bytes, block_bandwidth) if options.copies_in_flight is None
+              else options.copies_in_flight)
     grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
                 slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices,
                 producer_warps=target.producer_warps,
@@ -235,8 +237,9 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 timing_only=options.timing_only or 0, slot_groups=slot_groups,
                 tile_accumulators=options.tile_accumulators or 4,
                 slot_pairs=pairs_fit if options.slot_pairs is None else bool(options.slot_pairs),
-                copies_in_flight=min(_copies_in_flight(target, slot_bytes, block_bandwidth) if options.copies_in_flight is None
-                                     else options.copies_in_flight, slots),
+                copies_in_flight=min(copies, slots),
+                down_copies_in_flight=min(copies if options.down_copies_in_flight is None
+                                          else options.down_copies_in_flight, slots),
                 producer_registers=producer_registers, consumer_registers=consumer_registers,
                 ring_evict_first=target.ring_evict_first if options.ring_evict_first is None
                 else bool(options.ring_evict_first),
