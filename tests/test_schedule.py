@@ -194,21 +194,23 @@ def test_copies_in_flight_follow_the_device_s_memory_unless_asked(models):
         CompileOptions.parse("copies_in_flight=-1")
 
 
-def test_down_s_copies_in_flight_follow_the_layers_unless_asked(models):
-    """down's slots are filled with the layers' cap unless down_copies_in_flight sets its own (at most
-    the ring's slots); the kernel gets both."""
+@pytest.mark.parametrize("name", ("down", "stream"))
+def test_the_copy_caps_of_down_and_of_the_streams_follow_the_layers_unless_asked(models, name):
+    """down's slots (down_copies_in_flight) and the slots filled while the consumers stream gate_up or
+    down (stream_copies_in_flight) get the layers' cap unless asked for their own (at most the ring's
+    slots); the kernel gets each."""
+    option = f"{name}_copies_in_flight"
     spec = spec_of(models["tiny-llama"])
     block = 2 * 2619e6 * 5120 / 8 / 132                       # an H100 SXM: 2 in the layers
     _, sched = build_schedule(spec, 132, block_bandwidth=block)
-    assert sched.grid.down_copies_in_flight == sched.grid.copies_in_flight == 2
-    for text, want in (("down_copies_in_flight=4", 4), ("down_copies_in_flight=0", 0),
-                       ("down_copies_in_flight=64", sched.grid.slots)):
-        _, asked = build_schedule(spec, 132, options=CompileOptions.parse(text), block_bandwidth=block)
-        assert (asked.grid.copies_in_flight, asked.grid.down_copies_in_flight) == (2, want), text
-    files = render_sources(spec, 132, options=CompileOptions.parse("down_copies_in_flight=3"), block_bandwidth=block)[2]
-    assert "constexpr uint32_t DOWN_COPIES_IN_FLIGHT = 3;" in files["kernel.hip"]
-    with pytest.raises(KiecError, match="down_copies_in_flight"):
-        CompileOptions.parse("down_copies_in_flight=65")
+    assert getattr(sched.grid, option) == sched.grid.copies_in_flight == 2
+    for value, want in ((4, 4), (0, 0), (64, sched.grid.slots)):
+        _, asked = build_schedule(spec, 132, options=CompileOptions.parse(f"{option}={value}"), block_bandwidth=block)
+        assert (asked.grid.copies_in_flight, getattr(asked.grid, option)) == (2, want), value
+    files = render_sources(spec, 132, options=CompileOptions.parse(f"{option}=3"), block_bandwidth=block)[2]
+    assert f"constexpr uint32_t {option.upper()} = 3;" in files["kernel.hip"]
+    with pytest.raises(KiecError, match=option):
+        CompileOptions.parse(f"{option}=65")
 
 
 

@@ -240,6 +240,8 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 copies_in_flight=min(copies, slots),
                 down_copies_in_flight=min(copies if options.down_copies_in_flight is None
                                           else options.down_copies_in_flight, slots),
+                stream_copies_in_flight=min(copies if options.stream_copies_in_flight is None
+                                            else options.stream_copies_in_flight, slots),
                 producer_registers=producer_registers, consumer_registers=consumer_registers,
                 ring_evict_first=target.ring_evict_first if options.ring_evict_first is None
                 else bool(options.ring_evict_first),
