@@ -45,7 +45,7 @@ def cmd_compile(args) -> int:
     if args.dump:
         print(f"dump     {args.dump}")
     print(f"grid     {grid.blocks} blocks x {grid.threads} threads, {grid.slots} ring slots of {grid.slot_bytes} bytes "
-          f"({grid.copies_in_flight or 'no cap on'} copies in flight), {len(model.sched.stages)} stages; "
+          f"({grid.copies_summary}), {len(model.sched.stages)} stages; "
           f"built in {model.build_s:.1f} s")
     print(model.build.report)
     return 0

@@ -61,7 +61,7 @@ def check_variant(name, spec, ckpt, compiled, options, reference_logits, log):
            "tf_max_err": float(f"{errs.max():.3g}"), "tf_argmax_agree": agree, "bitwise_repeat": None,
            "device_loop_equal": None, "slots": compiled.sched.grid.slots}
     log(f"{out['model']}: vs default {errs.max():.3g}, slots {out['slots']}, "
-        f"{compiled.sched.grid.copies_in_flight} copies in flight")
+        f"{compiled.sched.grid.copies_summary}")
     return out, backend
 
 
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     for n in names:
         try:
             compiled = futures[n].result()
-            log(f"{n}: built in {compiled.build_s:.1f} s, {compiled.sched.grid.copies_in_flight} copies in flight; "
+            log(f"{n}: built in {compiled.build_s:.1f} s, {compiled.sched.grid.copies_summary}; "
                 f"{compiled.build.report.splitlines()[-1]}")
             out, backend = check_model(n, *specs[n], compiled, log, kept if n == args.variant_model else None)
             results["models"].append(out)

@@ -20,8 +20,7 @@ class CompileOptions:
     tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 4; tiled only)
     slot_pairs: int | None = None       # 1: a warp takes two full slots in one go where both are in (None: where it can; 0: one at a time)
     copies_in_flight: int | None = None  # a block's weight copies in flight in the layers at most (None: the target's; 0: no cap)
-    down_copies_in_flight: int | None = None  # the same while the block fills down's slots (None: copies_in_flight; 0: no cap)
-    stream_copies_in_flight: int | None = None  # the same while the block's consumers stream a gate_up or down tile (None: copies_in_flight; 0: no cap)
+    stream_copies_in_flight: int | None = None  # the same while the block's consumers stream a gate_up or down tile (None: the device's, rounded up; 0: no cap)
     lm_head_passes: int | None = None   # 1: the LM head's tile in one pass (None: in as few passes as give the ring another slot where the matrices are tiled)
     producer_registers: int | None = None  # registers a producer thread keeps, the consumers taking the rest (None: the target's)
     ring_evict_first: int | None = None  # 1: the ring's copies carry L2's evict-first hint, 0: the normal policy (None: the target's)
@@ -65,9 +64,6 @@ class CompileOptions:
         if self.stream_copies_in_flight is not None and not 0 <= self.stream_copies_in_flight <= 64:
             raise KiecError("stream_copies_in_flight", self.stream_copies_in_flight,
                             "0 (no cap) to 64 weight copies a block has in flight while its consumers stream gate_up or down")
-        if self.down_copies_in_flight is not None and not 0 <= self.down_copies_in_flight <= 64:
-            raise KiecError("down_copies_in_flight", self.down_copies_in_flight,
-                            "0 (no cap) to 64 weight copies a block has in flight while it fills down's slots")
         if self.lm_head_passes not in (None, 1):
             raise KiecError("lm_head_passes", self.lm_head_passes, "1 (the LM head's tile in one pass) or unset")
         if self.producer_registers is not None and not (24 <= self.producer_registers <= 128 and self.producer_registers % 8 == 0):

@@ -116,13 +116,20 @@ class Grid:
     tile_accumulators: int = 4      # independent accumulators a warp's tile products go round (tiled matrices)
     slot_pairs: bool = False        # a consumer warp takes two full slots in one go where both are in (tiled matrices)
     copies_in_flight: int = 0       # a block's weight copies in flight at most (0: as many as free slots)
-    down_copies_in_flight: int = 0  # the same while it fills the down stage's slots
     stream_copies_in_flight: int = 0  # the same while its consumers stream a gate_up or down tile
     producer_registers: int = 0     # registers a producer thread keeps once the roles split (0: no rebalancing)
     consumer_registers: int = 0     # registers a consumer thread takes then (0: no rebalancing)
     ring_evict_first: bool = False  # the ring's copies carry L2's evict-first hint
     marks_only: int = 0             # marked inputs read without their counter where a block's earlier tile allows: 1, or 2 with attention's
     kv_store_late: bool = False     # debug: the cache's copy of a step's new K and V rows is stored at the step's end
+
+    @property
+    def copies_summary(self) -> str:
+        """The copy caps as the tools print them."""
+        hops = f"{self.copies_in_flight or 'no cap on'} copies in flight"
+        if self.stream_copies_in_flight == self.copies_in_flight:
+            return hops
+        return f"{hops}, {self.stream_copies_in_flight or 'no cap'} while streaming"
 
     @property
     def blocks_per_lane(self) -> int:
