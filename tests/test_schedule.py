@@ -194,22 +194,23 @@ def test_copies_in_flight_follow_the_device_s_memory_unless_asked(models):
         CompileOptions.parse("copies_in_flight=-1")
 
 
-def test_the_streams_copy_cap_rounds_the_device_s_up_unless_asked(models):
-    """While the consumers stream gate_up or down a block's copies cover its share of the bandwidth
-    rounded up (the H100 SXM's 2.0 slots: 3, against 2 in the hops; the H200's 2.9: 3 in both), the
-    target's count where the device is unknown, or what stream_copies_in_flight asks (at most the
-    ring's slots); the kernel gets it."""
+def test_the_streams_copy_cap_is_the_layers_unless_asked(models):
+    """While the consumers stream gate_up or down a block keeps the layers' count of copies in flight
+    (the H100's 2, the H200's 3, the target's where the device is unknown) unless
+    stream_copies_in_flight asks for its own (at most the ring's slots); the kernel gets it, and takes
+    the consumers' streaming hint only where the two differ."""
     spec = spec_of(models["tiny-llama"])
-    for card, (clock, bus, layers, stream) in {"H100 SXM": (2619e6, 5120, 2, 3), "H200": (3201e6, 6144, 3, 3)}.items():
+    for card, (clock, bus, want) in {"H100 SXM": (2619e6, 5120, 2), "H200": (3201e6, 6144, 3)}.items():
         _, sched = build_schedule(spec, 132, block_bandwidth=2 * clock * bus / 8 / 132)
-        assert (sched.grid.copies_in_flight, sched.grid.stream_copies_in_flight) == (layers, stream), card
+        assert sched.grid.copies_in_flight == sched.grid.stream_copies_in_flight == want, card
     assert build_schedule(spec)[1].grid.stream_copies_in_flight == TARGETS["cuda:sm_90"].copies_in_flight
     block = 2 * 2619e6 * 5120 / 8 / 132
-    for value, want in ((4, 4), (0, 0), (64, sched.grid.slots)):
+    for value, want in ((3, 3), (0, 0), (64, sched.grid.slots)):
         _, asked = build_schedule(spec, 132, options=CompileOptions.parse(f"stream_copies_in_flight={value}"),
                                   block_bandwidth=block)
         assert (asked.grid.copies_in_flight, asked.grid.stream_copies_in_flight) == (2, want), value
-    kernel = render_sources(spec, 132, block_bandwidth=block)[2]["kernel.hip"]
+    kernel = render_sources(spec, 132, options=CompileOptions.parse("stream_copies_in_flight=3"),
+                            block_bandwidth=block)[2]["kernel.hip"]
     assert "constexpr uint32_t STREAM_COPIES_IN_FLIGHT = 3;" in kernel and "COPIES_IN_FLIGHT = 2;" in kernel
     with pytest.raises(KiecError, match="stream_copies_in_flight"):
         CompileOptions.parse("stream_copies_in_flight=65")

@@ -52,7 +52,6 @@ combines them itself); an attention tile only for the qkv tiles that cover its K
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from ..errors import KiecError
 from ..ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS, Grid, Schedule, Stage, gemv_shape, gemv_tiled
@@ -231,8 +230,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                         f"{group_warps} warps)")
     copies = (_copies_in_flight(target, slot_bytes, block_bandwidth) if options.copies_in_flight is None
               else options.copies_in_flight)
-    stream_copies = (_copies_in_flight(target, slot_bytes, block_bandwidth, streaming=True)
-                     if options.stream_copies_in_flight is None else options.stream_copies_in_flight)
+    stream_copies = copies if options.stream_copies_in_flight is None else options.stream_copies_in_flight
     grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
                 slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices,
                 producer_warps=target.producer_warps,
@@ -249,19 +247,15 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
 
-def _copies_in_flight(target: Target, slot_bytes: int, block_bandwidth: float | None,
-                      streaming: bool = False) -> int:
-    """A block's weight copies in flight at most. Little's law: the slots that cover the block's share of
-    the device's peak bandwidth over one loaded memory latency (`Target.copy_latency_ns`), at least 2:
-    rounded where a hop of the consumers may wait on a read behind the queue (fewer copies keep it short),
-    rounded up while they stream a gate_up or down tile (`streaming`: nothing of theirs waits then).
-    Fitted on two cards: 2 and 3 on the H100 (3.35 TB/s: 2.0 slots; 2 was 1.6-3.8% faster than 3 in the
-    layers in three calls, 3 while streaming 0.5-1.7% faster than 2, version 27), 3 and 3 on the H200
-    (4.8 TB/s: 2.9 slots; 2 starved HBM in version 14). Where the device is unknown, the target's count."""
+def _copies_in_flight(target: Target, slot_bytes: int, block_bandwidth: float | None) -> int:
+    """A block's weight copies in flight at most. Little's law: enough slots to cover the block's share of
+    the device's peak bandwidth over one loaded memory latency (`Target.copy_latency_ns`), at least 2; fewer
+    keep the queue at the memory system short, so the hops' activation and counter reads wait behind less.
+    Fitted on two cards: 2 on the H100 (3.35 TB/s, 1.6-3.8% faster than 3 in three calls), 3 on the H200
+    (4.8 TB/s, where 2 starved HBM in version 14). Where the device is unknown, the target's count."""
     if not (target.copy_latency_ns and target.copies_in_flight and block_bandwidth):
         return target.copies_in_flight
-    slots = block_bandwidth * target.copy_latency_ns * 1e-9 / slot_bytes
-    return max(2, math.ceil(slots) if streaming else round(slots))
+    return max(2, round(block_bandwidth * target.copy_latency_ns * 1e-9 / slot_bytes))
 
 
 def attention_splits(lo: int, pos: int, splits: int, batch: int, min_length: int,
