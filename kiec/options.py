@@ -96,16 +96,22 @@ class CompileOptions:
     @staticmethod
     def parse(text: str) -> "CompileOptions":
         """'consumer_warps=8,slot_bytes=32768' -> CompileOptions."""
-        fields = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, _, value = part.partition("=")
-            if key not in CompileOptions.__dataclass_fields__:
-                raise KiecError("option", key, "one of " + ", ".join(CompileOptions.__dataclass_fields__),
-                                nearest(key, CompileOptions.__dataclass_fields__))
-            if key in fields:
-                raise KiecError(f"option {key}", text, f"{key} given once")
-            try:
-                fields[key] = int(value)
-            except ValueError:
-                raise KiecError(f"option {key}", value, "an integer") from None
-        return CompileOptions(**fields)
+        return CompileOptions(**parse_integers(text, "option", CompileOptions.__dataclass_fields__))
+
+
+def parse_integers(text: str, what: str, keys) -> dict:
+    """'a=1,b=2' -> {'a': 1, 'b': 2}: each key one of `keys`, given once, with an integer value; errors
+    name `what` (the option or flag) and the key."""
+    fields = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key not in keys:
+            raise KiecError(what, key, "one of " + ", ".join(keys), nearest(key, keys))
+        if key in fields:
+            raise KiecError(f"{what} {key}", text, f"{key} given once")
+        try:
+            fields[key] = int(value)
+        except ValueError:
+            raise KiecError(f"{what} {key}", value, "an integer") from None
+    return fields

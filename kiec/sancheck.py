@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import KiecError
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
@@ -22,18 +24,17 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args(argv)
     from .model import load_spec
-    from .options import CompileOptions
+    from .options import CompileOptions, parse_integers
     from .runtime.gpu import CompiledModel, GpuBackend, device_multiprocessors
-    options = CompileOptions.parse(args.options)
     from .synthetic import preset, random_checkpoint
-    changes = {}
-    for part in filter(None, args.set.split(",")):
-        key, _, value = part.partition("=")
-        try:
-            changes[key.strip()] = int(value)
-        except ValueError:
-            ap.error(f"--set {key.strip()}: got {value!r}; expected an integer")
-    cfg = preset(args.preset, **changes)
+    try:
+        options = CompileOptions.parse(args.options)
+        # --set changes the preset's own integer fields (a misspelt one would add a key nothing reads)
+        fields = [k for k, v in preset(args.preset).items() if isinstance(v, int) and not isinstance(v, bool)]
+        cfg = preset(args.preset, **parse_integers(args.set, "--set", fields))
+    except KiecError as err:
+        print(f"kiec.sancheck: error: {err}", file=sys.stderr)
+        return 2
     folder = Path(tempfile.mkdtemp(prefix="kiec-sancheck-"))
     (folder / "config.json").write_text(json.dumps(cfg))
     spec = load_spec({"weights": str(folder), "max_seq_len": 256})

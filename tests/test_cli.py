@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import threading
 import zipfile
@@ -234,3 +235,16 @@ def test_an_address_that_cannot_be_bound_names_host_and_port():
     with pytest.raises(KiecError) as err:
         bind("999.1.1.1", 8000)
     assert err.value.field == "--host/--port" and err.value.value == "999.1.1.1:8000"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--set", "hiden_size=64"], r"--set: got 'hiden_size'; .*did you mean 'hidden_size'"),
+    (["--set", "hidden_size=6x"], r"--set hidden_size: got '6x'; expected an integer"),
+    (["--options", "slot_pairs=2"], r"slot_pairs: got 2"),
+])
+def test_sancheck_names_a_bad_flag_before_any_gpu_work(flags, message, capsys):
+    """sancheck's --set changes the preset's own integer fields (a misspelt one would have added a key
+    nothing reads) and --options are compile options: a bad one is an error naming it, exit code 2."""
+    from kiec import sancheck
+    assert sancheck.main(flags) == 2
+    assert re.search(message, capsys.readouterr().err)

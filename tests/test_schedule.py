@@ -436,6 +436,11 @@ def test_consumer_options_reach_the_grid_and_bad_values_are_named(models):
             CompileOptions.parse(text)
     with pytest.raises(KiecError, match=r"option: got 'slot_byte'; expected one of .*\(did you mean 'slot_bytes'\?\)"):
         CompileOptions.parse("slot_byte=16384")
+    with pytest.raises(KiecError, match=r"option slot_pairs: got 'x'; expected an integer"):
+        CompileOptions.parse("slot_pairs=x")
+    with pytest.raises(KiecError, match=r"option slot_pairs: .*slot_pairs given once"):
+        CompileOptions.parse("slot_pairs=0,slot_pairs=1")
+
 
 
 @pytest.mark.parametrize("target,text,tiled", [("cuda:sm_90", "", True), ("cuda:sm_90", "gemv_tiles=0", False),
