@@ -35,6 +35,11 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def first_outside(values, size: int):
+    """The first of `values` outside [0, size) (token ids against a vocabulary), or None."""
+    return next((v for v in values if not 0 <= v < size), None)
+
+
 def is_number(value) -> bool:
     """An int or a float, not a bool (as is_int)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import Cancelled, DeviceError, KiecError, is_int
+from ..errors import Cancelled, DeviceError, KiecError, first_outside, is_int
 from ..model import ModelSpec
 
 PREFILL_KINDS = ("embed", "norm", "qkv", "rope_kv", "attention", "o", "gate_up", "down")   # kiec_prefill's order
@@ -27,7 +27,7 @@ REGION_ACTS, REGION_KV, REGION_HISTORY, REGION_TRACE, REGION_TOKENS, REGION_PROF
 def check_token_ids(tokens, vocab: int, field: str = "token") -> None:
     """The kernels read an embedding row by id with no bounds check: an id past the vocabulary would
     read another tensor's bytes (a tokenizer can know more tokens than the model has rows)."""
-    bad = next((int(t) for t in tokens if not 0 <= int(t) < vocab), None)
+    bad = first_outside((int(t) for t in tokens), vocab)
     if bad is not None:
         raise KiecError(field, bad, f"token ids in [0, {vocab}) (the model's vocabulary)")
 

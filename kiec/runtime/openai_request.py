@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import KiecError, is_int, nearest
+from ..errors import KiecError, first_outside, is_int, nearest
 from .chat import encode_chat
 from .sampling import SamplingParams
 
@@ -187,7 +187,7 @@ def _prompt_ids(prompt, served: Served, tokenizer) -> list:
     if isinstance(prompt, str):
         return tokenizer.encode(_text(prompt, "prompt"))
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        bad = next((t for t in prompt if not 0 <= t < served.vocab), None)
+        bad = first_outside(prompt, served.vocab)
         if bad is not None:
             raise invalid("prompt", bad, f"token ids in [0, {served.vocab})")
         return list(prompt)

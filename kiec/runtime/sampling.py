@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from ..errors import KiecError, is_int, is_number
+from ..errors import KiecError, first_outside, is_int, is_number
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -79,9 +79,9 @@ class SamplingParams:
 
     def check_vocab(self, vocab: int) -> None:
         """The stop token ids are the model's: a KiecError names the first past its vocabulary."""
-        for token in self.stop_token_ids:
-            if token >= vocab:
-                raise KiecError("stop_token_ids", token, f"token ids below the vocabulary size ({vocab})")
+        bad = first_outside(self.stop_token_ids, vocab)
+        if bad is not None:
+            raise KiecError("stop_token_ids", bad, f"token ids below the vocabulary size ({vocab})")
 
     @classmethod
     def names(cls) -> tuple:
