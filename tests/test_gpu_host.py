@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiec.errors import KiecError
+from kiec.errors import Cancelled, KiecError
 from kiec.runtime.gpu import GpuBackend
 
 
@@ -31,11 +31,19 @@ class StandInKernel:
     def reset(self):
         self.calls.append(("reset",))
 
+    def prefill(self, tokens, start, profile):
+        self.calls.append(("prefill", int(start), len(tokens)))
+        return 2.0, []
+
+    def read(self, region, offset, nbytes):
+        return np.zeros(nbytes, np.uint8)
+
 
 def backend() -> GpuBackend:
     b = GpuBackend.__new__(GpuBackend)          # no build, no device: only the launch bookkeeping
     b.kernel, b.max_seq_len, b.vocab, b.timeout_s = StandInKernel(), 64, 100, 1.0
     b.step_base, b.running = 0, False
+    b.use_prefill, b.info, b.logits_offset = True, {"prefill_chunk": 4}, 0
     return b
 
 
@@ -72,3 +80,20 @@ def test_no_launch_while_one_runs():
     b._finish()
     b._launch([1], 1, 3)
     assert b.kernel.calls[-1] == ("launch", 3)
+
+
+def test_a_prompt_cancelled_during_its_prefill_stops_at_the_next_chunk():
+    """Without a cancel check the prompt (all but its last token) is one prefill call; with one, a call a
+    kernel chunk (4 tokens here), asked between them: a cancel after the first chunk stops there."""
+    b = backend()
+    b.forward(list(range(11)), 0)
+    assert [c for c in b.kernel.calls if c[0] == "prefill"] == [("prefill", 0, 10)] and b.last_prefill_ms == 2.0
+    b = backend()
+    b.forward(list(range(11)), 5, cancelled=lambda: False)
+    assert [c for c in b.kernel.calls if c[0] == "prefill"] == [("prefill", 5, 4), ("prefill", 9, 4), ("prefill", 13, 2)]
+    assert b.last_prefill_ms == 6.0 and ("finish",) in b.kernel.calls
+    b = backend()
+    asked = []
+    with pytest.raises(Cancelled, match="after 4 of the prompt's 11 tokens"):
+        b.forward(list(range(11)), 0, cancelled=lambda: asked.append(1) or True)
+    assert [c[0] for c in b.kernel.calls] == ["prefill"] and len(asked) == 1

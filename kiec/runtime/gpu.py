@@ -211,13 +211,22 @@ class GpuBackend:
         ms, kinds = self._run_prefill(tokens, start, True)
         return {"total_ms": ms, **{k: float(v) for k, v in zip(PREFILL_KINDS, kinds)}}
 
-    def _prefilled(self, tokens, start: int):
-        """Prefills all of `tokens` but the last where the kernels exist; returns what the decode kernel takes."""
+    def _prefilled(self, tokens, start: int, cancelled=None):
+        """Prefills all of `tokens` but the last where the kernels exist; returns what the decode kernel
+        takes. Where `cancelled` is given the prefill goes one kernel chunk a call (prefill_chunk tokens,
+        as the kernels take them anyway), asking it between calls: Cancelled once it says so."""
         tokens = list(tokens)
-        if self.use_prefill and len(tokens) > 1:
-            self.prefill(tokens[:-1], start)
-            return tokens[-1:], start + len(tokens) - 1
-        return tokens, start
+        if not (self.use_prefill and len(tokens) > 1):
+            return tokens, start
+        body = tokens[:-1]
+        step = self.info["prefill_chunk"] if cancelled is not None else len(body)
+        total = 0.0
+        for done in range(0, len(body), step):
+            if done and cancelled():
+                raise Cancelled(f"after {done} of the prompt's {len(tokens)} tokens")
+            total += self.prefill(body[done:done + step], start + done)
+        self.last_prefill_ms = total
+        return tokens[-1:], start + len(tokens) - 1
 
     def _finish(self) -> float:
         self.running = False
@@ -241,8 +250,8 @@ class GpuBackend:
     def forward(self, tokens, start: int, cancelled=None) -> np.ndarray:
         """Logits [vocab] after feeding `tokens` at positions start..: a prefill of all but the last,
         then one decode step (or, without prefill kernels, one launch of len(tokens) decode steps).
-        `cancelled()` is asked between the two: Cancelled once it says so."""
-        tokens, start = self._prefilled(tokens, start)
+        `cancelled()` is asked between the prefill's chunks and before the step: Cancelled once it says so."""
+        tokens, start = self._prefilled(tokens, start, cancelled)
         if cancelled is not None and cancelled():
             raise Cancelled("after the prompt's prefill")
         self._launch(tokens, len(tokens), start)
