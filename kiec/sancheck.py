@@ -13,7 +13,23 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import KiecError
+from .errors import KiecError, is_int
+
+# integer fields of a Hugging Face config that kiec.model reads and the presets may leave out
+OPTIONAL_INTEGERS = ("head_dim", "sliding_window", "max_window_layers", "sliding_window_n_layers", "num_lanes",
+                     "broadcast_delay")
+
+
+def preset_with(name: str, changes: str) -> dict:
+    """The preset's config with --set's changes: its integer and true/false fields (0 or 1), or an integer
+    field the loader reads that presets leave out; a misspelt key (which would add one nothing reads) is
+    a KiecError naming it."""
+    from .options import parse_integers
+    from .synthetic import preset
+    base = preset(name)
+    flags = [k for k, v in base.items() if isinstance(v, bool)]
+    fields = [k for k, v in base.items() if is_int(v)] + flags + [k for k in OPTIONAL_INTEGERS if k not in base]
+    return preset(name, **{k: bool(v) if k in flags else v for k, v in parse_integers(changes, "--set", fields).items()})
 
 
 def main(argv=None) -> int:
@@ -24,14 +40,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args(argv)
     from .model import load_spec
-    from .options import CompileOptions, parse_integers
+    from .options import CompileOptions
     from .runtime.gpu import CompiledModel, GpuBackend, device_multiprocessors
-    from .synthetic import preset, random_checkpoint
+    from .synthetic import random_checkpoint
     try:
         options = CompileOptions.parse(args.options)
-        # --set changes the preset's own integer fields (a misspelt one would add a key nothing reads)
-        fields = [k for k, v in preset(args.preset).items() if isinstance(v, int) and not isinstance(v, bool)]
-        cfg = preset(args.preset, **parse_integers(args.set, "--set", fields))
+        cfg = preset_with(args.preset, args.set)
     except KiecError as err:
         print(f"kiec.sancheck: error: {err}", file=sys.stderr)
         return 2

@@ -241,6 +241,7 @@ def test_an_address_that_cannot_be_bound_names_host_and_port():
     (["--set", "hiden_size=64"], r"--set: got 'hiden_size'; .*did you mean 'hidden_size'"),
     (["--set", "hidden_size=6x"], r"--set hidden_size: got '6x'; expected an integer"),
     (["--options", "slot_pairs=2"], r"slot_pairs: got 2"),
+    (["--set", "head_dim=256,rope_theta=x"], r"--set: got 'rope_theta'"),
 ])
 def test_sancheck_names_a_bad_flag_before_any_gpu_work(flags, message, capsys):
     """sancheck's --set changes the preset's own integer fields (a misspelt one would have added a key
@@ -248,3 +249,11 @@ def test_sancheck_names_a_bad_flag_before_any_gpu_work(flags, message, capsys):
     from kiec import sancheck
     assert sancheck.main(flags) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_sancheck_sets_fields_the_presets_leave_out():
+    """head_dim is read by the loader but absent from the tiny presets (the twin's hd256-kv1 shape sets
+    it); a true/false field takes 0 or 1."""
+    from kiec.sancheck import preset_with
+    cfg = preset_with("tiny-llama", "head_dim=256,num_key_value_heads=1,tie_word_embeddings=0")
+    assert cfg["head_dim"] == 256 and cfg["num_key_value_heads"] == 1 and cfg["tie_word_embeddings"] is False

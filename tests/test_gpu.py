@@ -410,7 +410,8 @@ def sequence_launch_selects_what_step_launches_select(backend):
 
 # the tiny Llama; rows of 48 tiles, whose full slots a warp takes in pairs (the tiny ones never fill a slot)
 SANITIZED = {"tiny": [], "pairs": ["--preset", "tiny-qwen2", "--set", "hidden_size=1536,num_attention_heads=12,"
-                                                                       "intermediate_size=2240,num_hidden_layers=1"]}
+                                                                       "intermediate_size=2240,num_hidden_layers=1"],
+             "stream-cap": ["--options", "copies_in_flight=2,stream_copies_in_flight=3"]}   # the consumers' hint
 
 
 @pytest.mark.parametrize("shape", list(SANITIZED))

@@ -96,4 +96,8 @@ def test_a_prompt_cancelled_during_its_prefill_stops_at_the_next_chunk():
     asked = []
     with pytest.raises(Cancelled, match="after 4 of the prompt's 11 tokens"):
         b.forward(list(range(11)), 0, cancelled=lambda: asked.append(1) or True)
-    assert [c[0] for c in b.kernel.calls] == ["prefill"] and len(asked) == 1
+    assert [c[0] for c in b.kernel.calls] == ["prefill"] and len(asked) == 1 and b.last_prefill_ms == 2.0
+    b = backend()                                   # a bad id in a later chunk: refused before the first
+    with pytest.raises(KiecError, match="token ids in"):
+        b.forward([1] * 9 + [100, 1], 0, cancelled=lambda: False)
+    assert b.kernel.calls == []

@@ -192,11 +192,14 @@ class GpuBackend:
             raise
         self.running = True
 
-    def _run_prefill(self, tokens, start: int, profile: bool):
-        tokens = list(tokens)
+    def _check_prompt(self, tokens: list, start: int) -> None:
         if start + len(tokens) > self.max_seq_len:
             raise KiecError("context", start + len(tokens), f"at most max_seq_len ({self.max_seq_len}) tokens")
         check_token_ids(tokens, self.vocab)
+
+    def _run_prefill(self, tokens, start: int, profile: bool):
+        tokens = list(tokens)
+        self._check_prompt(tokens, start)
         ms, kinds = self.kernel.prefill(np.asarray(tokens, dtype=np.uint32), start, profile)
         return float(ms), kinds
 
@@ -219,10 +222,12 @@ class GpuBackend:
         if not (self.use_prefill and len(tokens) > 1):
             return tokens, start
         body = tokens[:-1]
+        self._check_prompt(body, start)             # the whole prompt, before its first chunk writes the cache
         step = self.info["prefill_chunk"] if cancelled is not None else len(body)
         total = 0.0
         for done in range(0, len(body), step):
             if done and cancelled():
+                self.last_prefill_ms = total
                 raise Cancelled(f"after {done} of the prompt's {len(tokens)} tokens")
             total += self.prefill(body[done:done + step], start + done)
         self.last_prefill_ms = total
