@@ -29,7 +29,7 @@ def preset_with(name: str, changes: str) -> dict:
     base = preset(name)
     flags = [k for k, v in base.items() if isinstance(v, bool)]
     fields = [k for k, v in base.items() if is_int(v)] + flags + [k for k in OPTIONAL_INTEGERS if k not in base]
-    return preset(name, **{k: bool(v) if k in flags else v for k, v in parse_integers(changes, "--set", fields).items()})
+    return dict(base, **{k: bool(v) if k in flags else v for k, v in parse_integers(changes, "--set", fields).items()})
 
 
 def main(argv=None) -> int:

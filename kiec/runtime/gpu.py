@@ -197,20 +197,23 @@ class GpuBackend:
             raise KiecError("context", start + len(tokens), f"at most max_seq_len ({self.max_seq_len}) tokens")
         check_token_ids(tokens, self.vocab)
 
-    def _run_prefill(self, tokens, start: int, profile: bool):
-        tokens = list(tokens)
-        self._check_prompt(tokens, start)
+    def _run_prefill(self, tokens: list, start: int, profile: bool):
+        """The kernels over `tokens`, which the caller has checked (_check_prompt)."""
         ms, kinds = self.kernel.prefill(np.asarray(tokens, dtype=np.uint32), start, profile)
         return float(ms), kinds
 
     def prefill(self, tokens, start: int) -> float:
         """K and V of `tokens` at positions start.. into the cache (matrix-unit kernels); GPU milliseconds."""
+        tokens = list(tokens)
+        self._check_prompt(tokens, start)
         self.last_prefill_ms = self._run_prefill(tokens, start, False)[0]
         return self.last_prefill_ms
 
     def prefill_profile(self, tokens, start: int) -> dict:
         """Where a prefill's GPU time goes: milliseconds per kind of launch (each launch drained, so the
         kinds add up to more than an unprofiled prefill), and the total."""
+        tokens = list(tokens)
+        self._check_prompt(tokens, start)
         ms, kinds = self._run_prefill(tokens, start, True)
         return {"total_ms": ms, **{k: float(v) for k, v in zip(PREFILL_KINDS, kinds)}}
 
@@ -229,7 +232,7 @@ class GpuBackend:
             if done and cancelled():
                 self.last_prefill_ms = total
                 raise Cancelled(f"after {done} of the prompt's {len(tokens)} tokens")
-            total += self.prefill(body[done:done + step], start + done)
+            total += self._run_prefill(body[done:done + step], start + done, False)[0]
         self.last_prefill_ms = total
         return tokens[-1:], start + len(tokens) - 1
 
