@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from kiec.errors import KiecError
-from kiec.ir.schedule import STAGE_KINDS
+from kiec.ir.schedule import STAGE_KINDS, group_pieces
 from kiec.model import load_spec
 from kiec.options import CompileOptions
 from kiec.pipeline import render_sources
@@ -103,6 +103,19 @@ def test_consumer_options_compile(tmp_path, text, target):
     report = check(files, get_target(target), tmp_path / "build")
     if target == "cuda:sm_90":
         assert "0 bytes spill stores" in report, report
+
+
+def test_down_split_compiles_where_runs_share_row_groups(tmp_path):
+    """Qwen-1.5B's widths on 132 blocks: 192 row groups of down in 132 runs, most groups shared by two
+    (the second piece and its readers compiled in), with no spill."""
+    _need(COMPILERS["cuda:sm_90"])
+    spec = _spec(tmp_path, "wide-ffn-8960").replace(target="cuda:sm_90")
+    _, sched, files, _ = render_sources(spec, options=CompileOptions.parse("down_split=1"))
+    down = next(s for s in sched.stages if s.kind == "down")
+    assert down.gemv.split and down.tiles == 132 and max(group_pieces(down.gemv, down.tiles)) == 2
+    assert "constexpr bool DOWN_SPLIT = true;" in files["kernel.hip"]
+    report = check(files, get_target("cuda:sm_90"), tmp_path / "build")
+    assert "0 bytes spill stores" in report, report
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

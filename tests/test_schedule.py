@@ -2,6 +2,7 @@
 graph interpreter (the twin reads the packed blob exactly as the kernel does)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,7 +12,7 @@ from kiec.errors import KiecError
 from kiec.ir.graph import Graph
 from kiec.model import load_spec
 from kiec.options import CompileOptions
-from kiec.ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS
+from kiec.ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS, group_pieces, run_of, split_runs
 from kiec.pack import pack_weights, permute_pairs, tile_rows, unpermute_pairs, untile_rows
 from kiec.passes.fuse import fuse
 from kiec.passes.schedule import attention_splits, qkv_tiles_of_group
@@ -509,6 +510,72 @@ def test_slot_pairs_are_on_where_one_group_reads_at_most_4_tiles_a_warp(models):
             build_schedule(cuda, options=CompileOptions.parse(text))
     with pytest.raises(KiecError, match="slot_pairs"):
         CompileOptions.parse("slot_pairs=2")
+
+
+def _split_tile(t: int, runs: int, g) -> tuple:
+    """The kernel's tile_of for run t of a split down: (r0, first_unit, units, rows)."""
+    begin, end = split_runs(g.groups * g.row_tiles, runs)[t]
+    r0 = begin // g.row_tiles * TILE_ROWS
+    first = begin - r0 // TILE_ROWS * g.row_tiles
+    last = end - r0 // TILE_ROWS * g.row_tiles
+    return r0, first, last, min(-(-last // g.row_tiles) * TILE_ROWS, g.rows - r0)
+
+
+@pytest.mark.parametrize("name,blocks", [("qwen2.5-1.5b", 132), ("qwen2.5-1.5b", 97), ("llama-3.2-1b", 132),
+                                         ("qwen2.5-1.5b", 300)])
+def test_down_split_runs_cover_down_once_and_h_s_readers_add_two_pieces(tmp_path, name, blocks):
+    """down_split=1: down's units in one contiguous run a block of the lane (at most one a row group),
+    together the matrix once. A group is shared by at most two runs: the one holding its first unit writes
+    h (the residual added), the other starts inside it and writes h_piece; the readers add h and the piece
+    where the group has two (the kernel's h_has_piece). Emulated here on a random matrix against its
+    product; the scratch holds the partial sums of the most rows a run touches, and every other stage
+    is the default's."""
+    spec = spec_of(_config_only(tmp_path, name), target="cuda:sm_90")
+    _, default = build_schedule(spec, blocks)
+    _, sched = build_schedule(spec, blocks, options=CompileOptions.parse("down_split=1"))
+    assert sched.grid.slots == default.grid.slots
+    assert "lane.h_piece" in sched.memory["sync"] and "lane.h_piece" not in default.memory["sync"]
+    rotation = lambda stage: dataclasses.replace(stage, attrs=tuple(kv for kv in stage.attrs if kv[0] != "rotation"))
+    rng = np.random.default_rng(0)
+    for s, d in zip(sched.stages, default.stages):
+        if s.kind != "down":
+            assert rotation(s) == rotation(d)
+            continue
+        g = s.gemv
+        units = g.groups * g.row_tiles
+        assert g.split and s.tiles == min(blocks, g.groups)
+        pieces = group_pieces(g, s.tiles)
+        shares = any(begin % g.row_tiles for begin, _ in split_runs(units, s.tiles))   # a run starts inside a group
+        assert max(pieces) == (2 if shares else 1) and min(pieces) >= 1
+        w = rng.standard_normal((g.groups * TILE_ROWS, g.stride))
+        x = rng.standard_normal(g.stride)
+        h, piece = np.full(g.rows, np.nan), np.full(g.rows, np.nan)
+        seen = np.zeros(units, dtype=int)
+        for t in range(s.tiles):
+            r0, first, last, rows = _split_tile(t, s.tiles, g)
+            assert rows <= g.rows_per_tile == g.pass_rows
+            start = r0 // TILE_ROWS * g.row_tiles
+            seen[start + first:start + last] += 1
+            assert run_of(start + first, units, s.tiles) == run_of(start + last - 1, units, s.tiles) == t
+            for r in range(rows):
+                lo = first * TILE_COLS if r < TILE_ROWS else 0
+                hi = min(last - r // TILE_ROWS * g.row_tiles, g.row_tiles) * TILE_COLS
+                y = w[r0 + r, lo:hi] @ x[lo:hi]
+                target = piece if r < TILE_ROWS and first else h      # the epilogue's second_rows
+                assert np.isnan(target[r0 + r])
+                target[r0 + r] = y
+        assert (seen == 1).all()
+        shared = np.repeat(np.array(pieces) == 2, TILE_ROWS)[:g.rows]
+        assert np.isnan(piece[~shared]).all() and not np.isnan(h).any()
+        np.testing.assert_allclose(np.where(shared, h + piece, h), w[:g.rows] @ x, rtol=1e-9, atol=1e-9)
+    down = next(s for s in sched.stages if s.kind == "down")
+    assert sched.grid.scratch_bytes >= 4 * down.gemv.pass_rows * sched.grid.consumer_warps
+    assert f"runs of {units // down.tiles}+ units (at most {down.gemv.rows_per_tile} rows)" in sched.dump()
+    for text, where in (("down_split=1,gemv_tiles=0", spec), ("down_split=1", spec.replace(lanes=2))):
+        with pytest.raises(KiecError, match="down_split.*not tiled or with lanes"):
+            build_schedule(where, blocks, options=CompileOptions.parse(text))
+    with pytest.raises(KiecError, match="down_split"):
+        CompileOptions.parse("down_split=2")
 
 
 def test_tiled_order_is_the_kernel_s_and_round_trips():

@@ -18,7 +18,8 @@ Guarantees four regions, each a dict name -> (offset, bytes), 256-byte aligned:
   also holds `h_marked` and `act_marked`: the residual and the FFN activation, fp32 values whose
   lowest bit marks the write that stored them, which readers check instead of a fenced counter;
   and attention's output (`attn`), its queries (`q`) and this step's K and V rows (`kv_new`, each
-  16-bit value above its mark), marked too where the grid reads marks alone (`marks_only`).
+  16-bit value above its mark), marked too where the grid reads marks alone (`marks_only`); where down
+  is split into runs (`Gemv.split`), `h_piece`: the second run's share of each row group two runs share.
 With several lanes, each lane also has an `inbox` (acts) of `exchange_slots` x 2 sublayers x
 lanes x D floats where its peers store their partials, and one line of per-sender flags per
 (slot, sublayer, tile) (`peer_flags`, sync). Exchange g (step x layers + layer) uses slot
@@ -156,6 +157,8 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     # the residual h and the FFN activation, fp32 values whose lowest bit marks their write: readers check
     # the mark, so these live where the counters do and are cleared with them (a cleared value never passes)
     lane_sync.add("h_marked", 4 * cfg.hidden)
+    if any(s.gemv is not None and s.gemv.split for s in stages):
+        lane_sync.add("h_piece", 4 * cfg.hidden)
     lane_sync.add("act_marked", 4 * max(s.attr("ffn") for s in stages if s.kind == "gate_up"))
     lane_sync.add("attn", 4 * att.attr("heads") * hd)
     lane_sync.add("q", 4 * att.attr("heads") * hd)

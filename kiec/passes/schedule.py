@@ -26,6 +26,9 @@ Guarantees:
   over the keys scores `pass_heads` query heads, the group spread evenly over as few passes as
   `heads_per_pass` (4) allows; with `combine_in_attn_out` every split tile signals and attn_out's
   prologue combines them;
+- with `down_split` (tiled, one lane) down's tiles are contiguous runs of its units, one a block of the
+  lane (`split_runs`), at most one run per row group, so that a row group is shared by at most two runs:
+  the first adds the residual and writes h, the second its piece (`h_piece`), and h's readers add the two;
 - tile t of a stage runs on block (t + rotation) % blocks, the rotation carrying on
   from the previous stage, so small stages land on different blocks;
 - shared memory holds the ring of weight slots plus one scratch area (input vector,
@@ -54,7 +57,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import KiecError
-from ..ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS, Grid, Schedule, Stage, gemv_shape, gemv_tiled
+from ..ir.schedule import (TILE_BYTES, TILE_COLS, TILE_ROWS, Gemv, Grid, Schedule, Stage, gemv_shape, gemv_tiled,
+                           split_runs)
 from ..options import CompileOptions
 from ..targets import Target
 
@@ -97,6 +101,9 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     if options.tile_accumulators and not tiled:
         raise KiecError("tile_accumulators", options.tile_accumulators,
                         "unset where the matrices are not tiled (gemv_tiles=0 or the target)")
+    if options.down_split and (not tiled or lanes > 1):
+        raise KiecError("down_split", options.down_split, "0 where the matrices are not tiled or with lanes (a shared "
+                        "row's pieces are added on one lane, not exchanged)")
     if warps % slot_groups:
         raise KiecError("slot_groups", slot_groups, f"a divisor of the {warps} consumer warps")
     if options.ring_evict_first and not target.ring_evict_first:
@@ -124,6 +131,8 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             cut = gemv_tiled(s.gemv.rows, s.gemv.cols, warps) if tiled else gemv_shape(s.gemv.rows, s.gemv.cols, warps)
             gemv = dataclasses.replace(s.gemv, segments=cut.segments, seg_width=cut.seg_width,
                                        rows_per_tile=rows_per_tile, pass_rows=rows_per_tile, tiled=tiled)
+            if s.kind == "down" and options.down_split:
+                gemv, tiles = _split(gemv, per_lane)
             stages.append(dataclasses.replace(s, gemv=gemv, tiles=tiles))
         elif s.kind == "attention":
             if s.attr("head_dim") % 8:
@@ -268,6 +277,19 @@ def attention_splits(lo: int, pos: int, splits: int, batch: int, min_length: int
         return -(-n // batch) * batch, 1
     length = max(-(-(-(-n // splits)) // batch) * batch, min_length)
     return length, -(-n // length)
+
+
+def _split(gemv: Gemv, per_lane: int) -> tuple[Gemv, int]:
+    """down as runs of units, one a block of the lane (split_runs): the heaviest block streams
+    units / blocks units instead of a whole tile of row groups (Qwen-1.5B's 1,536 rows in 16-row tiles
+    leave 36 of 132 blocks idle). At most one run a row group, so a run is at least a group long and a
+    group has at most two pieces. rows_per_tile becomes the most rows a run touches: its partial sums'
+    room in the scratch."""
+    units = gemv.groups * gemv.row_tiles
+    runs = min(per_lane, gemv.groups)
+    groups = max(-(-end // gemv.row_tiles) - begin // gemv.row_tiles for begin, end in split_runs(units, runs))
+    rows = groups * TILE_ROWS
+    return dataclasses.replace(gemv, split=True, rows_per_tile=rows, pass_rows=rows), runs
 
 
 def _rotate(stages: list, per_lane: int, blocks: int) -> list:
