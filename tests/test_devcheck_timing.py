@@ -37,13 +37,18 @@ class FakeBackend:
 
     def profile(self, token, start, steps=8):
         assert start == PROFILE_AT
-        raw = np.zeros((1, 1, len(FIELDS)), dtype=np.uint64)
+        raw = np.zeros((3, 2, len(FIELDS)), dtype=np.uint64)
         t0 = 1_000_000
         end = t0 + int(self.profiled_us * 1e3)
-        raw[0, 0, :5] = [t0, t0 + 100, t0 + 200, end - 100, end]
-        out = summarize(raw, ["qkv"])
-        out.update(launch_ms=steps * self.per_step, raw=raw, step=steps // 2, steps=steps, stage_names=["qkv[layer 0]"])
+        raw[0, :, :5] = [t0, t0 + 100, t0 + 200, end - 100, end]
+        raw[1:, :, :5] = [t0, t0 + 100, t0 + 200, t0 + 300, t0 + 400]
+        raw[1:, 1, 4] += 500                        # block 1 ends both gate_up stages last
+        out = summarize(raw, ["qkv", "gate_up", "gate_up"])
+        out.update(launch_ms=steps * self.per_step, raw=raw, step=steps // 2, steps=steps, stage_names=STAGE_NAMES)
         return out
+
+
+STAGE_NAMES = ["qkv[layer 0]", "gate_up[layer 0]", "gate_up[layer 1]"]
 
 
 def test_rounds_interleave_the_builds_and_report_medians(tmp_path):
@@ -65,7 +70,8 @@ def test_rounds_interleave_the_builds_and_report_medians(tmp_path):
         assert r["ms_per_token_8_steps"] == pytest.approx(build.per_step * 1.02, rel=1e-6)
         assert r["profile_overhead"] == pytest.approx(build.profiled_us / (1e3 * build.per_step * 1.02) - 1)
         assert (tmp_path / f"profile-{name}.npy").exists()
-        assert json.loads((tmp_path / f"profile-{name}.json").read_text()) == {"stages": ["qkv[layer 0]"]}
+        assert json.loads((tmp_path / f"profile-{name}.json").read_text()) == {"stages": STAGE_NAMES}
+        assert "gate_up: 1.00 of the lateness is the block's own over 2 stages" in r["profile_text"]
     assert out["a"]["profile_overhead"] > 0.1 and out["b"]["profile_overhead"] < 0
     assert any("profile of step 4 of 8" in line and "a step unprofiled" in line for line in logged)
 

@@ -66,3 +66,30 @@ def test_stage_rows_put_each_stage_on_the_step_s_clock(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path / "profile-x.npy"), "--stages", "1-5"])
     assert "0 <= A <= B < 2" in capsys.readouterr().err
+
+
+def test_late_blocks_tell_the_same_late_blocks_from_lateness_that_moves(tmp_path, capsys):
+    """Block 2 ends every gate_up 3 us after the others: its lateness is all its own. Lateness drawn
+    afresh each layer is not: about 1 / stages of it is."""
+    from kiec.runtime.timeline import late_blocks, main
+    layers, blocks, t0 = 16, 8, 1_000_000
+    kinds = ["gate_up", "down"] * layers
+    rng = np.random.default_rng(3)
+    for same, want in ((True, (0.95, 1.0)), (False, (0.0, 0.3))):
+        raw = np.zeros((len(kinds), blocks, len(FIELDS)), dtype=np.uint64)
+        for s in range(len(kinds)):
+            for b in range(blocks):
+                late = (3000 if b == 2 else 0) if same else int(rng.integers(0, 3000))
+                raw[s, b] = stamps(t0, t0 + 100, t0 + 200, t0 + 900, t0 + 1000 + late + (b if same else 0))
+        got = late_blocks(raw, kinds, "gate_up")
+        assert got["stages"] == layers and got["blocks"] == blocks
+        assert want[0] <= got["own"] <= want[1], (same, got["own"])
+        if same:
+            assert got["latest"][0][0] == 2 and got["latest"][0][1] == pytest.approx(3.0, abs=0.01)
+    np.save(tmp_path / "profile-y.npy", raw)
+    (tmp_path / "profile-y.json").write_text(__import__("json").dumps({"stages": [f"{k}[layer 0]" for k in kinds]}))
+    assert main([str(tmp_path / "profile-y.npy"), "--late", "down"]) == 0
+    assert "of the lateness is the block's own over 16 stages" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "profile-y.npy"), "--late", "attention"])
+    assert "expected a stage kind of this profile: gate_up, down" in capsys.readouterr().err

@@ -62,6 +62,37 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
+def late_blocks(raw: np.ndarray, kinds: list, kind: str, show: int = 5) -> dict:
+    """Whether the blocks that end a kind's stages last are the same in every layer. A block's lateness
+    in a stage is when its tile ended less the stage's median end; over the blocks with a tile in every
+    one of the kind's stages, `own` is the share of the lateness's variance that is the block's mean
+    over the stages (near 1: the same blocks are late every layer, so a static share of the rows by
+    block could even the stage; near 1 / stages: lateness moves from layer to layer, and only taking
+    work as it frees up would). `latest`: the `show` latest blocks, (block, mean lateness in µs)."""
+    rows = [i for i, k in enumerate(kinds) if k == kind]
+    end = raw[rows][..., FIELDS.index("epilogue")].astype(np.float64)
+    every = (end > 0).all(axis=0)
+    if len(rows) < 2 or every.sum() < 2:
+        return {"stages": len(rows), "blocks": int(every.sum()), "own": float("nan"), "latest": []}
+    late = (end[:, every] - np.median(end[:, every], axis=1, keepdims=True)) / 1e3
+    mean = late.mean(axis=0)
+    total = ((late - late.mean()) ** 2).mean()
+    # the blocks' means hold at most all of the variance: min() keeps a rounding above it out
+    own = float(min(1.0, ((mean - late.mean()) ** 2).mean() / total)) if total > 0 else float("nan")
+    blocks = np.flatnonzero(every)
+    order = np.argsort(-mean)[:show]
+    return {"stages": len(rows), "blocks": int(every.sum()), "own": own,
+            "latest": [(int(blocks[i]), float(mean[i])) for i in order]}
+
+
+def format_late(s: dict, kind: str) -> str:
+    if not s["latest"]:
+        return f"  {kind}: {s['stages']} stages and {s['blocks']} blocks with a tile in each, too few to tell late blocks"
+    latest = ", ".join(f"{b} ({m:+.2f})" for b, m in s["latest"])
+    return (f"  {kind}: {s['own']:.2f} of the lateness is the block's own over {s['stages']} stages and "
+            f"{s['blocks']} blocks (1 / stages: {1 / max(s['stages'], 1):.2f}); latest (µs): {latest}")
+
+
 def stage_rows(raw: np.ndarray, names: list, stages: range) -> str:
     """Each stage's tiles on the step's clock: min / median / max over its blocks of when a tile began,
     its wait, prologue, stream and epilogue ended, and when the producer issued the stage's last chunk
@@ -86,14 +117,17 @@ def stage_rows(raw: np.ndarray, names: list, stages: range) -> str:
 
 
 def main(argv=None) -> int:
-    """python -m kiec.runtime.timeline PROFILE.npy [--stages 40-45]: a profile devcheck saved (with
-    PROFILE.json beside it naming the stages), stage by stage."""
+    """python -m kiec.runtime.timeline PROFILE.npy [--stages 40-45 | --late gate_up]: a profile devcheck
+    saved (with PROFILE.json beside it naming the stages), stage by stage, or which blocks end a kind's
+    stages last."""
     import argparse
     import json
     from pathlib import Path
     ap = argparse.ArgumentParser(prog="python -m kiec.runtime.timeline")
     ap.add_argument("profile", type=Path)
     ap.add_argument("--stages", help="a range of stage indices, e.g. 40-45 (default: all)")
+    ap.add_argument("--late", metavar="KIND", help="whether the same blocks end KIND's stages last in every layer "
+                    "(e.g. gate_up), from the stage names")
     args = ap.parse_args(argv)
     raw = np.load(args.profile)
     side = args.profile.with_suffix(".json")
@@ -107,6 +141,12 @@ def main(argv=None) -> int:
             ap.error(f"--stages: got {args.stages!r}; expected A-B, stage indices")
         if not 0 <= first <= last < raw.shape[0]:
             ap.error(f"--stages: got {args.stages}; expected A-B with 0 <= A <= B < {raw.shape[0]}")
+    if args.late:
+        kinds = [n.split("[")[0] for n in names]
+        if args.late not in kinds:
+            ap.error(f"--late: got {args.late!r}; expected a stage kind of this profile: {', '.join(dict.fromkeys(kinds))}")
+        print(format_late(late_blocks(raw, kinds, args.late), args.late))
+        return 0
     print(stage_rows(raw, names, range(first, last + 1)))
     return 0
 
