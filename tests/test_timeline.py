@@ -5,8 +5,8 @@ import pytest
 from kiec.runtime.timeline import FIELDS, format_summary, summarize
 
 
-def stamps(begin, waited, prologue, stream, epilogue, starved=0, stall=0, last=0):
-    return [begin, waited, prologue, stream, epilogue, starved, stall, last]
+def stamps(begin, waited, prologue, stream, epilogue, starved=0, stall=0, last=0, sm=0):
+    return [begin, waited, prologue, stream, epilogue, starved, stall, last, sm]
 
 
 def test_means_critical_path_and_producer_idle():
@@ -69,8 +69,8 @@ def test_stage_rows_put_each_stage_on_the_step_s_clock(tmp_path, capsys):
 
 
 def test_late_blocks_tell_the_same_late_blocks_from_lateness_that_moves(tmp_path, capsys):
-    """Block 2 ends every gate_up 3 us after the others: its lateness is all its own. Lateness drawn
-    afresh each layer is not: about 1 / stages of it is."""
+    """Block 2 (on multiprocessor 102) ends every gate_up 3 us after the others: its lateness is all its
+    own. Lateness drawn afresh each layer is not: about 1 / stages of it is."""
     from kiec.runtime.timeline import late_blocks, main
     layers, blocks, t0 = 16, 8, 1_000_000
     kinds = ["gate_up", "down"] * layers
@@ -80,12 +80,13 @@ def test_late_blocks_tell_the_same_late_blocks_from_lateness_that_moves(tmp_path
         for s in range(len(kinds)):
             for b in range(blocks):
                 late = (3000 if b == 2 else 0) if same else int(rng.integers(0, 3000))
-                raw[s, b] = stamps(t0, t0 + 100, t0 + 200, t0 + 900, t0 + 1000 + late + (b if same else 0))
+                raw[s, b] = stamps(t0, t0 + 100, t0 + 200, t0 + 900, t0 + 1000 + late + (b if same else 0),
+                                   sm=100 + b)
         got = late_blocks(raw, kinds, "gate_up")
         assert got["stages"] == layers and got["blocks"] == blocks
         assert want[0] <= got["own"] <= want[1], (same, got["own"])
         if same:
-            assert got["latest"][0][0] == 2 and got["latest"][0][1] == pytest.approx(3.0, abs=0.01)
+            assert got["latest"][0][:2] == (2, 102) and got["latest"][0][2] == pytest.approx(3.0, abs=0.01)
     np.save(tmp_path / "profile-y.npy", raw)
     (tmp_path / "profile-y.json").write_text(__import__("json").dumps({"stages": [f"{k}[layer 0]" for k in kinds]}))
     assert main([str(tmp_path / "profile-y.npy"), "--late", "down"]) == 0

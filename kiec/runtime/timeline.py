@@ -4,14 +4,14 @@ The kernel (`profile=True`) stamps the launch's middle step with the GPU's globa
 (stage, block): when the block's tile begins, when its wait, prologue, stream and epilogue end, the
 time its consumers waited for weights that had not landed (`starved`), the time its producer waited
 for a free ring slot while filling that stage's chunks (`producer_stall`: the block's HBM stream
-stood still) and when the producer issued the stage's last chunk. A stage a block has no tile in
-stays zero. `summarize` turns that into per-kind means and each stage's share of the critical path.
+stood still), when the producer issued the stage's last chunk, and the multiprocessor the block ran
+on. A stage a block has no tile in stays zero. `summarize` turns that into per-kind means and each stage's share of the critical path.
 """
 from __future__ import annotations
 
 import numpy as np
 
-FIELDS = ("begin", "waited", "prologue", "stream", "epilogue", "starved", "producer_stall", "producer_last")
+FIELDS = ("begin", "waited", "prologue", "stream", "epilogue", "starved", "producer_stall", "producer_last", "sm")
 
 
 def summarize(raw: np.ndarray, kinds: list) -> dict:
@@ -68,7 +68,8 @@ def late_blocks(raw: np.ndarray, kinds: list, kind: str, show: int = 5) -> dict:
     one of the kind's stages, `own` is the share of the lateness's variance that is the block's mean
     over the stages (near 1: the same blocks are late every layer, so a static share of the rows by
     block could even the stage; near 1 / stages: lateness moves from layer to layer, and only taking
-    work as it frees up would). `latest`: the `show` latest blocks, (block, mean lateness in µs)."""
+    work as it frees up would). `latest`: the `show` latest blocks, (block, its multiprocessor, mean
+    lateness in µs)."""
     rows = [i for i, k in enumerate(kinds) if k == kind]
     end = raw[rows][..., FIELDS.index("epilogue")].astype(np.float64)
     every = (end > 0).all(axis=0)
@@ -81,16 +82,18 @@ def late_blocks(raw: np.ndarray, kinds: list, kind: str, show: int = 5) -> dict:
     own = float(min(1.0, ((mean - late.mean()) ** 2).mean() / total)) if total > 0 else float("nan")
     blocks = np.flatnonzero(every)
     order = np.argsort(-mean)[:show]
+    sm = raw[rows[0], :, FIELDS.index("sm")]
     return {"stages": len(rows), "blocks": int(every.sum()), "own": own,
-            "latest": [(int(blocks[i]), float(mean[i])) for i in order]}
+            "latest": [(int(blocks[i]), int(sm[blocks[i]]), float(mean[i])) for i in order]}
 
 
 def format_late(s: dict, kind: str) -> str:
     if not s["latest"]:
         return f"  {kind}: {s['stages']} stages and {s['blocks']} blocks with a tile in each, too few to tell late blocks"
-    latest = ", ".join(f"{b} ({m:+.2f})" for b, m in s["latest"])
+    latest = ", ".join(f"{b} on {sm} ({m:+.2f})" for b, sm, m in s["latest"])
     return (f"  {kind}: {s['own']:.2f} of the lateness is the block's own over {s['stages']} stages and "
-            f"{s['blocks']} blocks (1 / stages: {1 / max(s['stages'], 1):.2f}); latest (µs): {latest}")
+            f"{s['blocks']} blocks (1 / stages: {1 / max(s['stages'], 1):.2f}); latest blocks on their multiprocessors "
+            f"(µs): {latest}")
 
 
 def stage_rows(raw: np.ndarray, names: list, stages: range) -> str:
