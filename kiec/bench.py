@@ -1,6 +1,6 @@
 """`kiec bench MODEL`: kiec's decode speed against the floor and its peers, in one run on one GPU.
 
-    kiec bench llama-3.2-1b [--contexts 128,8192] [--steps 128] [--no-peers] [--compile-at 128] [--hf] [--json out.json]
+    kiec bench llama-3.2-1b [--contexts 128,8192] [--steps 128] [--no-peers] [--compile-at 128] [--hf] [--options k=v,...] [--json out.json]
     kiec bench llama-3.2-1b --lanes 1,2,4,8 [--dtp-delay 2] [--placement one-launch,shared,spread] --no-compile
     kiec bench llama-3.2-1b --prompts 512,2048,8192     (time to first token; --no-prefill leaves it out)
 
@@ -37,6 +37,7 @@ import numpy as np
 from .bench_kiec import time_kiec
 from .bench_report import PLACEMENTS, format_table, summarize
 from .errors import KiecError, is_int, nearest
+from .options import CompileOptions
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,12 @@ class BenchOptions:
     prompts: tuple = (512, 2048, 8192)    # prompt lengths to time to first token; () leaves prefill out
     fit_contexts: bool = False  # the default contexts: one past the model's positions is lowered to fit
     fit_prompts: bool = False   # the default prompts, the same
+    kernel_options: str = ""    # compile options of kiec's own build (kiec compile --options), e.g. down_split=1
 
     def __post_init__(self):
+        CompileOptions.parse(self.kernel_options)       # a bad knob is named before any work
+        if self.kernel_options and self.lanes:
+            raise KiecError("--options", self.kernel_options, "unset with --lanes (the lanes' builds take the defaults)")
         if not self.contexts or any(not is_int(c) or c <= 0 for c in self.contexts):
             raise KiecError("--contexts", self.contexts, "positive context lengths, e.g. 128,8192")
         if len(set(self.contexts)) != len(self.contexts):
@@ -243,7 +248,7 @@ def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None
     log("weights")
     checkpoint = model.checkpoint()
     log("kiec: build and upload")
-    backend = GpuBackend(spec, checkpoint=checkpoint, quiet=True)
+    backend = GpuBackend(spec, checkpoint=checkpoint, quiet=True, options=CompileOptions.parse(options.kernel_options))
     rng = np.random.default_rng(options.seed)
     for context in options.contexts:
         log(f"kiec at context {context}")
@@ -339,6 +344,8 @@ def register_bench(sub) -> None:
     p.add_argument("--prompts", help=f"prompt lengths to time to first token, comma-separated (default: "
                                      f"{','.join(map(str, d.prompts))}, lowered to fit a model with fewer positions)")
     p.add_argument("--no-prefill", action="store_true", help="leave out the time to first token")
+    p.add_argument("--options", default="", help="compile options of kiec's own build, as kiec compile takes them "
+                   "(e.g. down_split=1); not with --lanes")
     p.add_argument("--json", type=Path, help="write every measurement and derived number here (rewritten as each "
                                               "one is timed, marked partial until the run ends)")
     p.set_defaults(func=cmd_bench)
@@ -356,7 +363,8 @@ def cmd_bench(args) -> int:
                            dtp_delay=args.dtp_delay, placements=tuple(args.placement.split(",")),
                            prompts=() if args.no_prefill else parse_counts(args.prompts, "--prompts", "512,2048,8192")
                            if args.prompts else d.prompts,
-                           fit_contexts=args.contexts is None, fit_prompts=args.prompts is None)
+                           fit_contexts=args.contexts is None, fit_prompts=args.prompts is None,
+                           kernel_options=args.options)
     if args.json is not None and not args.json.parent.is_dir():     # found now, not after minutes of timing
         raise KiecError("--json", str(args.json), "a file in an existing folder")
     quiet = getattr(args, "quiet", False)

@@ -70,8 +70,10 @@ def format_table(summary: dict) -> str:
     """One table per context: rows bandwidth, floor, then each measurement; ms/token, tok/s, % of floor,
     and 'vs PEER' (how many times faster than that peer) for every peer that was run."""
     bw = summary["bandwidth"]
+    built = summary.get("options", {}).get("kernel_options")
     lines = [f"kiec bench: {summary['model']} ({summary['arch']}, {summary['dtype']}) on "
-             f"{summary.get('device') or 'the GPU'}, {summary['steps']} steps per measurement"]
+             f"{summary.get('device') or 'the GPU'}, {summary['steps']} steps per measurement"
+             + (f", kiec built with {built}" if built else "")]
     if summary.get("partial"):
         lines.append("partial: the run stopped before its last measurement; these are the ones it finished")
     for ctx in summary["contexts"]:

@@ -147,13 +147,13 @@ class GpuBackend:
 
     def __init__(self, spec: ModelSpec, device: int = 0, quiet: bool = False, progress=None,
                  timeout_s: float = 5.0, checkpoint=None, compiled: CompiledModel | None = None,
-                 prefill: bool = True, devices=None):
+                 prefill: bool = True, devices=None, options=None):
         from ..pack import pack_weights
         from ..weights import load_checkpoint, materialize
         self.spec, self.device, self.timeout_s = spec, device, timeout_s
         self.devices = lane_devices(spec, device, devices)
         self.compiled = compiled or CompiledModel(spec, lane_multiprocessors(self.devices), quiet=quiet,
-                                                  device=self.devices[0])
+                                                  options=options, device=self.devices[0])
         self.sched = self.compiled.sched
         self.kernel = self.compiled.module.Kernel(self.devices)
         ckpt = checkpoint or load_checkpoint(spec)
