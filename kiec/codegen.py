@@ -93,6 +93,8 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
     if s.kind == "attention":
         groups = sync[f"lane.group.{prev.index}.0"][0]
         tickets = sync[f"lane.ticket.{s.index}.0"][0]
+    if s.attr("grabs"):                     # gate_up_dynamic: the counter its blocks take row groups from
+        tickets = sync[f"lane.grab.{s.index}"][0]
     layer_prefix = f"lane.layers.{s.layer}."
     # StageDesc holds a norm's and a bias's lane-relative offsets in 32 bits (the matrices' in 64)
     for name in (norm, "qkv_bias" if s.attr("bias") else None):
@@ -153,6 +155,15 @@ def _down_split(sched: Schedule) -> dict:
     return dict(down_split=split, down_runs=runs, down_units=max(1, groups * row_tiles), down_row_tiles=row_tiles)
 
 
+def _gate_up_takes(sched: Schedule) -> dict:
+    """The kernel's gate_up_dynamic constants, one shape for every layer (the schedule takes every gate_up
+    stage's row groups at run time or none)."""
+    takes = {(s.attr("grab_groups", 0), s.attr("grabs", 0), s.attr("max_grabs", 0)) for s in sched.stages
+             if s.kind == "gate_up"}
+    (grab_groups, grabs, max_grabs), = takes
+    return dict(gate_up_dynamic=bool(grabs), grab_groups=grab_groups or 1, grabs=grabs, max_grabs=max_grabs or 1)
+
+
 def render(sched: Schedule, target: Target, module_name: str) -> dict:
     cfg = sched.config
     trace, trace_floats = trace_layout(sched)
@@ -183,7 +194,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              qkv_marked=sched.grid.marks_only >= 2, x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
              gemv_tiles=all(s.gemv.tiled for s in sched.gemv_stages()), tile_rows=TILE_ROWS, tile_cols=TILE_COLS,
              lm_head_pass_rows=next(s.gemv.pass_rows for s in sched.stages if s.kind == "lm_head"),
-             **_down_split(sched))
+             **_down_split(sched), **_gate_up_takes(sched))
     m = dict(w_embed=w["embed"][0], w_final_norm=w["final_norm"][0], w_rope=w["rope"][0],
              w_lanes_base=w["__lanes_base"][0], w_lane_stride=w["__lane_stride"][0], w_total=w["__total"][0],
              w_device_total=w["__device_total"][0],

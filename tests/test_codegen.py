@@ -105,15 +105,21 @@ def test_consumer_options_compile(tmp_path, text, target):
         assert "0 bytes spill stores" in report, report
 
 
-def test_down_split_compiles_where_runs_share_row_groups(tmp_path):
-    """Qwen-1.5B's widths on 132 blocks: 192 row groups of down in 132 runs, most groups shared by two
-    (the second piece and its readers compiled in), with no spill."""
+@pytest.mark.parametrize("text", ["down_split=1", "gate_up_dynamic=1"])
+def test_the_ffn_s_run_time_shapes_compile_without_spills(tmp_path, text):
+    """Qwen-1.5B's widths on 132 blocks. down_split: 192 row groups of down in 132 runs, most groups shared
+    by two (the second piece and its readers compiled in). gate_up_dynamic: gate_up's row groups taken two
+    at a time (three slots) by the producer, the consumers told each slot's take."""
     _need(COMPILERS["cuda:sm_90"])
     spec = _spec(tmp_path, "wide-ffn-8960").replace(target="cuda:sm_90")
-    _, sched, files, _ = render_sources(spec, options=CompileOptions.parse("down_split=1"))
-    down = next(s for s in sched.stages if s.kind == "down")
-    assert down.gemv.split and down.tiles == 132 and max(group_pieces(down.gemv, down.tiles)) == 2
-    assert "constexpr bool DOWN_SPLIT = true;" in files["kernel.hip"]
+    _, sched, files, _ = render_sources(spec, options=CompileOptions.parse(text))
+    down, gate_up = (next(s for s in sched.stages if s.kind == k) for k in ("down", "gate_up"))
+    if text == "down_split=1":
+        assert down.gemv.split and down.tiles == 132 and max(group_pieces(down.gemv, down.tiles)) == 2
+        assert "constexpr bool DOWN_SPLIT = true;" in files["kernel.hip"]
+    else:
+        assert gate_up.tiles == 132 and gate_up.attr("grab_groups") == 2 and gate_up.attr("grabs") == 1120
+        assert "constexpr bool GATE_UP_DYNAMIC = true;" in files["kernel.hip"]
     report = check(files, get_target("cuda:sm_90"), tmp_path / "build")
     assert "0 bytes spill stores" in report, report
 

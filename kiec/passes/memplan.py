@@ -19,7 +19,9 @@ Guarantees four regions, each a dict name -> (offset, bytes), 256-byte aligned:
   lowest bit marks the write that stored them, which readers check instead of a fenced counter;
   and attention's output (`attn`), its queries (`q`) and this step's K and V rows (`kv_new`, each
   16-bit value above its mark), marked too where the grid reads marks alone (`marks_only`); where down
-  is split into runs (`Gemv.split`), `h_piece`: the second run's share of each row group two runs share.
+  is split into runs (`Gemv.split`), `h_piece`: the second run's share of each row group two runs share;
+  where gate_up's row groups are taken at run time (`gate_up_dynamic`), a counter line per gate_up stage
+  (`grab`), which the step's token selection sets back to 0.
 With several lanes, each lane also has an `inbox` (acts) of `exchange_slots` x 2 sublayers x
 lanes x D floats where its peers store their partials, and one line of per-sender flags per
 (slot, sublayer, tile) (`peer_flags`, sync). Exchange g (step x layers + layer) uses slot
@@ -172,6 +174,8 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
         if s.kind == "attention":
             for j in range(s.attr("kv_heads")):
                 lane_sync.add(f"ticket.{s.index}.{j}", LINE)
+        if s.attr("grabs"):                          # gate_up_dynamic: the takes of its row groups, counted
+            lane_sync.add(f"grab.{s.index}", LINE)
     if slots:
         lane_sync.add("peer_flags", LINE * slots * 2 * exchange_tiles)   # [slot][sublayer][tile]
     sync_map = dict(sync.entries)
