@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import KiecError
-from .runtime.timeline import format_late, format_summary, late_blocks
+from .runtime.timeline import format_late, format_summary, kinds_of, late_blocks
 
 DEFAULT_MODELS = "tiny-llama,tiny-qwen2,tiny-mistral,llama-3.2-1b,qwen2.5-1.5b"
 SEQ = {"tiny-llama": 512, "tiny-qwen2": 512, "tiny-mistral": 600, "llama-3.2-1b": 8192, "qwen2.5-1.5b": 1024}
@@ -207,7 +207,7 @@ def time_builds(builds: dict, rounds: int, out_dir: Path | None, log, positions:
         # an unprofiled 8-step launch's mean step (its first step starts cold) against the profiled step
         res["profile_overhead"] = prof["step_us"] / (1e3 * res["ms_per_token_8_steps"]) - 1
         # whether the same blocks end the FFN's stages last in every layer (a static share could even them)
-        kinds = [n.split("[")[0] for n in names or []]
+        kinds = kinds_of(names or [])
         late = "".join("\n" + format_late(late_blocks(raw, kinds, k), k) for k in ("gate_up", "down") if k in kinds)
         res["profile_text"] = (f"  profile of step {prof['step']} of {prof['steps']} (launch {prof['launch_ms']:.3f} ms; "
                                f"{prof['step_us']:.1f} us against {1e3 * res['ms_per_token_8_steps']:.1f} a step unprofiled, "

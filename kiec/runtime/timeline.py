@@ -5,7 +5,8 @@ The kernel (`profile=True`) stamps the launch's middle step with the GPU's globa
 time its consumers waited for weights that had not landed (`starved`), the time its producer waited
 for a free ring slot while filling that stage's chunks (`producer_stall`: the block's HBM stream
 stood still), when the producer issued the stage's last chunk, and the multiprocessor the block ran
-on. A stage a block has no tile in stays zero. `summarize` turns that into per-kind means and each stage's share of the critical path.
+on. A stage a block has no tile in stays zero. `summarize` turns that into per-kind means and each
+stage's share of the critical path.
 """
 from __future__ import annotations
 
@@ -60,6 +61,11 @@ def format_summary(s: dict) -> str:
                      f"{v['stream']:>8.2f}{v['epilogue']:>8.2f}{v['starved']:>9.2f}{v['producer_stall']:>9.2f}"
                      f"{v['critical']:>10.1f}{v['spread']:>8.2f}")
     return "\n".join(lines)
+
+
+def kinds_of(names: list) -> list:
+    """Each stage's kind from its name (Stage.name: `gate_up[layer 3]`)."""
+    return [n.split("[")[0] for n in names]
 
 
 def late_blocks(raw: np.ndarray, kinds: list, kind: str, show: int = 5) -> dict:
@@ -145,7 +151,7 @@ def main(argv=None) -> int:
         if not 0 <= first <= last < raw.shape[0]:
             ap.error(f"--stages: got {args.stages}; expected A-B with 0 <= A <= B < {raw.shape[0]}")
     if args.late:
-        kinds = [n.split("[")[0] for n in names]
+        kinds = kinds_of(names)
         if args.late not in kinds:
             ap.error(f"--late: got {args.late!r}; expected a stage kind of this profile: {', '.join(dict.fromkeys(kinds))}")
         print(format_late(late_blocks(raw, kinds, args.late), args.late))
