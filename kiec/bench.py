@@ -55,7 +55,7 @@ class BenchOptions:
     prompts: tuple = (512, 2048, 8192)    # prompt lengths to time to first token; () leaves prefill out
     fit_contexts: bool = False  # the default contexts: one past the model's positions is lowered to fit
     fit_prompts: bool = False   # the default prompts, the same
-    kernel_options: str = ""    # compile options of kiec's own build (kiec compile --options), e.g. down_split=1
+    kernel_options: str = ""    # compile options of kiec's own build (kiec compile --options), e.g. stream_copies_in_flight=4
 
     def __post_init__(self):
         CompileOptions.parse(self.kernel_options)       # a bad knob is named before any work
@@ -345,7 +345,7 @@ def register_bench(sub) -> None:
                                      f"{','.join(map(str, d.prompts))}, lowered to fit a model with fewer positions)")
     p.add_argument("--no-prefill", action="store_true", help="leave out the time to first token")
     p.add_argument("--options", default="", help="compile options of kiec's own build, as kiec compile takes them "
-                   "(e.g. down_split=1); not with --lanes")
+                   "(e.g. stream_copies_in_flight=4); not with --lanes")
     p.add_argument("--json", type=Path, help="write every measurement and derived number here (rewritten as each "
                                               "one is timed, marked partial until the run ends)")
     p.set_defaults(func=cmd_bench)

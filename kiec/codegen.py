@@ -93,8 +93,6 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
     if s.kind == "attention":
         groups = sync[f"lane.group.{prev.index}.0"][0]
         tickets = sync[f"lane.ticket.{s.index}.0"][0]
-    if s.attr("grabs"):                     # gate_up_dynamic: the counter its blocks take row groups from
-        tickets = sync[f"lane.grab.{s.index}"][0]
     layer_prefix = f"lane.layers.{s.layer}."
     # StageDesc holds a norm's and a bias's lane-relative offsets in 32 bits (the matrices' in 64)
     for name in (norm, "qkv_bias" if s.attr("bias") else None):
@@ -129,12 +127,7 @@ def primed_by(sched: Schedule, s) -> int | str:
     embedding, so there it proves nothing: layer 0 is safe because every block begins a step by
     acquiring the last step's token, published after every block took the LM head's ticket, whose
     tiles each read the last layer's h whole (LM_TICKETS). One lane only (`marks_only`); attn_out
-    reads marks only where attention's own output is marked (not where it combines the splits). A split
-    down's second pieces (`h_piece`, written once a layer) follow the same argument: qkv(L) and attn_out(L)
-    read them with h, and the write in between, down(L - 2)'s, was read whole by attn_out(L - 1)'s
-    residual rows before gate_up(L - 1) could read attn_out(L - 1)'s h; for qkv(1) (attn_out(0) adds onto the
-    embedding) the write in between is the last step's last down, which the LM head's tiles read whole
-    before the token was published, as for layer 0."""
+    reads marks only where attention's own output is marked (not where it combines the splits)."""
     if not sched.grid.marks_only or s.layer is None:
         return "NONE"
     index = {(t.kind, t.layer): t.index for t in sched.stages}
@@ -145,23 +138,6 @@ def primed_by(sched: Schedule, s) -> int | str:
     if s.kind in ("attn_out", "gate_up", "down") or (s.kind == "attention" and sched.grid.marks_only >= 2):
         return index[("qkv", s.layer)]
     return "NONE"
-
-
-def _down_split(sched: Schedule) -> dict:
-    """The kernel's down_split constants: down's runs, its units and a row group's, one shape for every
-    layer (the schedule splits every down stage or none)."""
-    downs = {(s.gemv.split, s.tiles, s.gemv.groups, s.gemv.row_tiles) for s in sched.stages if s.kind == "down"}
-    (split, runs, groups, row_tiles), = downs
-    return dict(down_split=split, down_runs=runs, down_units=max(1, groups * row_tiles), down_row_tiles=row_tiles)
-
-
-def _gate_up_takes(sched: Schedule) -> dict:
-    """The kernel's gate_up_dynamic constants, one shape for every layer (the schedule takes every gate_up
-    stage's row groups at run time or none)."""
-    takes = {(s.attr("grab_groups", 0), s.attr("grabs", 0), s.attr("max_grabs", 0)) for s in sched.stages
-             if s.kind == "gate_up"}
-    (grab_groups, grabs, max_grabs), = takes
-    return dict(gate_up_dynamic=bool(grabs), grab_groups=grab_groups or 1, grabs=grabs, max_grabs=max_grabs or 1)
 
 
 def render(sched: Schedule, target: Target, module_name: str) -> dict:
@@ -193,8 +169,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              attention_marked=sched.grid.marks_only >= 1 and not att.attr("combine_in_attn_out"),
              qkv_marked=sched.grid.marks_only >= 2, x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
              gemv_tiles=all(s.gemv.tiled for s in sched.gemv_stages()), tile_rows=TILE_ROWS, tile_cols=TILE_COLS,
-             lm_head_pass_rows=next(s.gemv.pass_rows for s in sched.stages if s.kind == "lm_head"),
-             **_down_split(sched), **_gate_up_takes(sched))
+             lm_head_pass_rows=next(s.gemv.pass_rows for s in sched.stages if s.kind == "lm_head"))
     m = dict(w_embed=w["embed"][0], w_final_norm=w["final_norm"][0], w_rope=w["rope"][0],
              w_lanes_base=w["__lanes_base"][0], w_lane_stride=w["__lane_stride"][0], w_total=w["__total"][0],
              w_device_total=w["__device_total"][0],
@@ -210,8 +185,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              kv_lane_stride=kv["__lane_stride"][0], kv_total=kv["__total"][0],
              s_abort=sy["abort"][0], s_error=sy["error"][0], s_select=sy["select"][0], s_lm_ticket=sy["lm_ticket"][0],
              s_lane_stride=sy["__lane_stride"][0], s_total=sy["__total"][0],
-             s_h_marked=sy["lane.h_marked"][0], s_act_marked=sy["lane.act_marked"][0],
-             s_h_piece=sy["lane.h_piece"][0] if "lane.h_piece" in sy else 0)
+             s_h_marked=sy["lane.h_marked"][0], s_act_marked=sy["lane.act_marked"][0])
     context = dict(model=sched.model, version=__version__, target=target, grid=sched.grid, c=c, m=m,
                    stages=stages, stage_kinds=[(k, i) for i, k in enumerate(STAGE_KINDS)],
                    group_signals=group_signals or [0], trace_floats=trace_floats, module_name=module_name,

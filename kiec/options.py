@@ -18,8 +18,6 @@ class CompileOptions:
     gemv_tiles: int | None = None       # 1: decode GEMVs on the matrix units, 0: FMAs over rows (None: the target's, for bf16)
     slot_groups: int | None = None      # consumer warp groups taking turns at the ring's slots (None: 1; tiled only)
     tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 4; tiled only)
-    down_split: int | None = None       # 1: down's tiles are runs of its units, one a block of the lane, a row shared by two runs summed by its readers (None/0: row tiles)
-    gate_up_dynamic: int | None = None  # 1: gate_up's row groups taken from a counter as each block's ring frees up, not fixed tiles (None/0: tiles)
     slot_pairs: int | None = None       # 1: a warp takes two full slots in one go where both are in (None: where it can; 0: one at a time)
     copies_in_flight: int | None = None  # a block's weight copies in flight in the layers at most (None: the target's; 0: no cap)
     stream_copies_in_flight: int | None = None  # the same while the block's consumers stream a gate_up or down tile (None: copies_in_flight; 0: no cap)
@@ -59,10 +57,6 @@ class CompileOptions:
             raise KiecError("slot_groups", self.slot_groups, "1 or 2")
         if self.tile_accumulators is not None and self.tile_accumulators not in (1, 2, 4):
             raise KiecError("tile_accumulators", self.tile_accumulators, "1, 2 or 4")
-        if self.down_split not in (None, 0, 1):
-            raise KiecError("down_split", self.down_split, "0 (down in row tiles) or 1 (down's units split over every block)")
-        if self.gate_up_dynamic not in (None, 0, 1):
-            raise KiecError("gate_up_dynamic", self.gate_up_dynamic, "0 (gate_up in fixed tiles) or 1 (row groups taken as rings free up)")
         if self.slot_pairs not in (None, 0, 1):
             raise KiecError("slot_pairs", self.slot_pairs, "0 (a slot at a time) or 1 (two full slots in one go)")
         if self.copies_in_flight is not None and not 0 <= self.copies_in_flight <= 64:

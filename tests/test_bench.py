@@ -66,8 +66,8 @@ def test_table_rows_and_columns():
     assert _line(table, "torch.compile graph") == ["torch.compile", "graph", "1.2500", "800.0", "40.0%",
                                                    "1.60x", "-", "40.00x"]
     assert _line(table, "HF generate") == ["HF", "generate", "50.0000", "20.0", "1.0%", "0.04x", "0.03x", "-"]
-    built = format_table(summarize(dict(_raw(), options={"kernel_options": "down_split=1"})))
-    assert built.splitlines()[0].endswith("128 steps per measurement, kiec built with down_split=1")
+    built = format_table(summarize(dict(_raw(), options={"kernel_options": "stream_copies_in_flight=4"})))
+    assert built.splitlines()[0].endswith("128 steps per measurement, kiec built with stream_copies_in_flight=4")
 
 
 def test_table_without_peers():
@@ -271,9 +271,9 @@ def test_without_a_gpu_one_error_line():
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--json", "/no/such/folder/out.json"],
      "--json: got '/no/such/folder/out.json'; expected a file in an existing folder"),
     (["tiny-llama", "--contexts", "16", "--no-prefill", "--options", "foo=1"], "option: got 'foo'; expected one of "),
-    (["tiny-llama", "--contexts", "16", "--no-prefill", "--options", "down_split=2"], "down_split: got 2; expected 0"),
-    (["tiny-llama", "--contexts", "16", "--no-prefill", "--options", "down_split=1", "--lanes", "2"],
-     "--options: got 'down_split=1'; expected unset with --lanes"),
+    (["tiny-llama", "--contexts", "16", "--no-prefill", "--options", "slot_pairs=2"], "slot_pairs: got 2; expected 0"),
+    (["tiny-llama", "--contexts", "16", "--no-prefill", "--options", "slot_pairs=0", "--lanes", "2"],
+     "--options: got 'slot_pairs=0'; expected unset with --lanes"),
 ])
 def test_argument_errors(capsys, args, message):
     assert main(["bench", *args]) == 2

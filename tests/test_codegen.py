@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from kiec.errors import KiecError
-from kiec.ir.schedule import STAGE_KINDS, group_pieces
+from kiec.ir.schedule import STAGE_KINDS
 from kiec.model import load_spec
 from kiec.options import CompileOptions
 from kiec.pipeline import render_sources
@@ -103,25 +103,6 @@ def test_consumer_options_compile(tmp_path, text, target):
     report = check(files, get_target(target), tmp_path / "build")
     if target == "cuda:sm_90":
         assert "0 bytes spill stores" in report, report
-
-
-@pytest.mark.parametrize("text", ["down_split=1", "gate_up_dynamic=1"])
-def test_the_ffn_s_run_time_shapes_compile_without_spills(tmp_path, text):
-    """Qwen-1.5B's widths on 132 blocks. down_split: 192 row groups of down in 132 runs, most groups shared
-    by two (the second piece and its readers compiled in). gate_up_dynamic: gate_up's row groups taken two
-    at a time (three slots) by the producer, the consumers told each slot's take."""
-    _need(COMPILERS["cuda:sm_90"])
-    spec = _spec(tmp_path, "wide-ffn-8960").replace(target="cuda:sm_90")
-    _, sched, files, _ = render_sources(spec, options=CompileOptions.parse(text))
-    down, gate_up = (next(s for s in sched.stages if s.kind == k) for k in ("down", "gate_up"))
-    if text == "down_split=1":
-        assert down.gemv.split and down.tiles == 132 and max(group_pieces(down.gemv, down.tiles)) == 2
-        assert "constexpr bool DOWN_SPLIT = true;" in files["kernel.hip"]
-    else:
-        assert gate_up.tiles == 132 and gate_up.attr("grab_groups") == 2 and gate_up.attr("grabs") == 1120
-        assert "constexpr bool GATE_UP_DYNAMIC = true;" in files["kernel.hip"]
-    report = check(files, get_target("cuda:sm_90"), tmp_path / "build")
-    assert "0 bytes spill stores" in report, report
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

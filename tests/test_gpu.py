@@ -122,20 +122,15 @@ def test_teacher_forced_logits_match_transformers(built, name):
     assert agree >= 0.98
 
 
-def twin_of(spec, compiled):
-    """The Python twin of a build, on its packed weights."""
+def twin_logits(spec, compiled, tokens) -> np.ndarray:
+    """The Python twin's logits of `tokens` teacher-forced from position 0, on the build's packed weights."""
     from kiec.pack import pack_weights
     from kiec.reference.twin import Twin
     from kiec.weights import load_checkpoint, materialize
     ckpt = load_checkpoint(spec)
     blob = pack_weights(compiled.sched, {t.name: materialize(ckpt, t) for t in compiled.graph.weights()},
                         spec.config, spec.max_seq_len, spec.dtype)
-    return Twin(compiled.sched, blob, spec.config, spec.max_seq_len, spec.dtype)
-
-
-def twin_logits(spec, compiled, tokens) -> np.ndarray:
-    """The Python twin's logits of `tokens` teacher-forced from position 0, on the build's packed weights."""
-    twin = twin_of(spec, compiled)
+    twin = Twin(compiled.sched, blob, spec.config, spec.max_seq_len, spec.dtype)
     return np.stack([twin.step(t, i)[0] for i, t in enumerate(tokens)])
 
 
@@ -233,11 +228,10 @@ LM_PASSES = preset("llama-3.2-1b", hidden_size=1024, num_hidden_layers=2, num_at
                    num_key_value_heads=4, intermediate_size=4096)
 
 
-def default_against(tmp_path, cfg: dict, seed: int, variant: str, twin: bool = False):
+def default_against(tmp_path, cfg: dict, seed: int, variant: str):
     """A random model built by default and with `variant` (compile options), both teacher-forced over the
     same 40 fresh tokens from poisoned outputs; each build's launch of many steps must select what its
-    launches of one step select, and with `twin` its logits follow the Python twin's. Returns the builds
-    and the logits, by options text."""
+    launches of one step select. Returns the builds and the logits, by options text."""
     from kiec.options import CompileOptions
     from kiec.runtime.gpu import CompiledModel, GpuBackend, device_multiprocessors
     spec = load_spec({"weights": str(write_random_model(tmp_path / "m", cfg, seed=seed, dtype="bf16")), "max_seq_len": 256})
@@ -254,9 +248,6 @@ def default_against(tmp_path, cfg: dict, seed: int, variant: str, twin: bool = F
         logits[v] = backend.teacher_forced(tokens, 0)
         sequence_launch_selects_what_step_launches_select(backend)
         del backend
-        if twin:
-            errs, agree = logit_errors(logits[v], twin_logits(spec, compiled, tokens))
-            assert errs.max() <= 1e-2 and agree >= 0.95, (v, errs.max(), agree)
     assert all(np.all(np.isfinite(v)) for v in logits.values())
     return built, logits
 
@@ -289,61 +280,6 @@ def test_slot_pairs_change_no_bit(tmp_path, name):
     built, logits = default_against(tmp_path, PAIR_SHAPES[name], 41, "slot_pairs=0")
     assert built[""].sched.grid.slot_pairs and not built["slot_pairs=0"].sched.grid.slot_pairs
     assert np.array_equal(logits[""], logits["slot_pairs=0"])
-
-
-def near_default_and_repeatable(tmp_path, built, logits, variant: str):
-    """After default_against: the variant's logits are the default's within its sums' new order, and its
-    build gives the same bits twice over fresh tokens. Returns the spec, the variant's backend and the tokens."""
-    from kiec.runtime.gpu import GpuBackend
-    errs, agree = logit_errors(logits[variant], logits[""])
-    assert errs.max() <= 1e-2 and agree >= 0.95, (errs.max(), agree)
-    spec = load_spec({"weights": str(tmp_path / "m"), "max_seq_len": 256})
-    backend = GpuBackend(spec, compiled=built[variant], quiet=True)
-    tokens = [int(t) for t in np.random.default_rng().integers(spec.config.vocab, size=24)]
-    backend.poison()
-    first = backend.teacher_forced(tokens, 0)
-    backend.poison()
-    assert np.array_equal(backend.teacher_forced(tokens, 0), first)
-    return spec, backend, tokens
-
-
-def test_down_split_follows_the_twin_and_gives_the_same_bits_twice(tmp_path):
-    """down_split=1 on Qwen-1.5B's widths: down's 192 row groups in a run of units a block (132 runs of
-    407), 120 groups shared by two runs, whose second piece h's readers add (qkv's prologue, attn_out's
-    residual, the LM head's prologue). Both builds follow the twin, the split's launch of many steps
-    selects what its launches of one step select, its logits are the default's within the sums' new
-    order, two runs give the same bits (the pieces are added in one order, whoever arrives last), and
-    every stage's trace follows the twin's (down's is written by the next reader, the pieces added)."""
-    from kiec.golden import stage_diffs
-    from kiec.ir.schedule import group_pieces
-    # three layers: an odd count (the pieces' marks alternate across steps) and a qkv(2) primed by gate_up(1)
-    cfg = preset("qwen2.5-1.5b", num_hidden_layers=3, vocab_size=8192)
-    built, logits = default_against(tmp_path, cfg, 43, "down_split=1", twin=True)
-    split = built["down_split=1"]
-    down = next(s for s in split.sched.stages if s.kind == "down")
-    assert down.gemv.split and down.tiles == split.sched.grid.blocks_per_lane
-    assert max(group_pieces(down.gemv, down.tiles)) == 2
-    spec, backend, tokens = near_default_and_repeatable(tmp_path, built, logits, "down_split=1")
-    twin = twin_of(spec, split)
-    for pos, token in enumerate(tokens[:3]):
-        errs = dict(stage_diffs(backend, twin, token, pos))
-        assert all(err < 2e-2 for err in errs.values()), (pos, errs)
-
-
-@pytest.mark.parametrize("name", list(PAIR_SHAPES))
-def test_gate_up_dynamic_follows_the_twin_and_gives_the_same_bits_twice(tmp_path, name):
-    """gate_up_dynamic=1: every block takes gate_up's row groups from a counter as its ring frees up (one
-    group of 32 tiles a take on the Llama-shaped model, two of 48 on Qwen-1.5B's widths). A group's sums
-    do not depend on which block takes it, so two runs give the same bits however the takes fell; where
-    a take is a whole tile's slot-aligned group (the Llama shape) they are the default's bits too. Many
-    steps in one launch check that the token's selection sets the counters back for the next step."""
-    built, logits = default_against(tmp_path, PAIR_SHAPES[name], 47, "gate_up_dynamic=1", twin=True)
-    dynamic = built["gate_up_dynamic=1"]
-    gate_up = next(s for s in dynamic.sched.stages if s.kind == "gate_up")
-    assert gate_up.tiles == dynamic.sched.grid.blocks_per_lane and gate_up.attr("grabs")
-    if gate_up.attr("grab_groups") == 1:
-        assert np.array_equal(logits["gate_up_dynamic=1"], logits[""])
-    near_default_and_repeatable(tmp_path, built, logits, "gate_up_dynamic=1")
 
 
 @pytest.mark.parametrize("lanes", LANE_COUNTS[1:])
@@ -472,16 +408,10 @@ def sequence_launch_selects_what_step_launches_select(backend):
     assert device == host
 
 
-# the tiny Llama; rows of 48 tiles, whose full slots a warp takes in pairs (the tiny ones never fill a slot);
-# the streams' copy cap; down split into runs whose shared rows h's readers add (two layers: qkv and attn_out
-# read the pieces, then the LM head); gate_up's row groups taken from a counter (the slots' takes, the end)
+# the tiny Llama; rows of 48 tiles, whose full slots a warp takes in pairs (the tiny ones never fill a slot)
 SANITIZED = {"tiny": [], "pairs": ["--preset", "tiny-qwen2", "--set", "hidden_size=1536,num_attention_heads=12,"
                                                                        "intermediate_size=2240,num_hidden_layers=1"],
-             "stream-cap": ["--options", "copies_in_flight=2,stream_copies_in_flight=3"],   # the consumers' hint
-             "down-split": ["--preset", "tiny-qwen2", "--set", "hidden_size=1536,num_attention_heads=12,"
-                            "intermediate_size=2240,num_hidden_layers=2", "--options", "down_split=1"],
-             "gate-up-dynamic": ["--preset", "tiny-qwen2", "--set", "hidden_size=1536,num_attention_heads=12,"   # 559 groups:
-                                 "intermediate_size=2236,num_hidden_layers=2", "--options", "gate_up_dynamic=1"]}   # a short last take
+             "stream-cap": ["--options", "copies_in_flight=2,stream_copies_in_flight=3"]}   # the consumers' hint
 
 
 @pytest.mark.parametrize("shape", list(SANITIZED))

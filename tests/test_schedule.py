@@ -2,7 +2,6 @@
 graph interpreter (the twin reads the packed blob exactly as the kernel does)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -12,7 +11,7 @@ from kiec.errors import KiecError
 from kiec.ir.graph import Graph
 from kiec.model import load_spec
 from kiec.options import CompileOptions
-from kiec.ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS, group_pieces, run_of, split_runs
+from kiec.ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS
 from kiec.pack import pack_weights, permute_pairs, tile_rows, unpermute_pairs, untile_rows
 from kiec.passes.fuse import fuse
 from kiec.passes.schedule import attention_splits, qkv_tiles_of_group
@@ -510,148 +509,6 @@ def test_slot_pairs_are_on_where_one_group_reads_at_most_4_tiles_a_warp(models):
             build_schedule(cuda, options=CompileOptions.parse(text))
     with pytest.raises(KiecError, match="slot_pairs"):
         CompileOptions.parse("slot_pairs=2")
-
-
-def _split_tile(t: int, runs: int, g) -> tuple:
-    """The kernel's tile_of for run t of a split down: (r0, first_unit, units, rows)."""
-    begin, end = split_runs(g.groups * g.row_tiles, runs)[t]
-    r0 = begin // g.row_tiles * TILE_ROWS
-    first = begin - r0 // TILE_ROWS * g.row_tiles
-    last = end - r0 // TILE_ROWS * g.row_tiles
-    return r0, first, last, min(-(-last // g.row_tiles) * TILE_ROWS, g.rows - r0)
-
-
-@pytest.mark.parametrize("name,blocks", [("qwen2.5-1.5b", 132), ("qwen2.5-1.5b", 97), ("llama-3.2-1b", 132),
-                                         ("qwen2.5-1.5b", 300)])
-def test_down_split_runs_cover_down_once_and_h_s_readers_add_two_pieces(tmp_path, name, blocks):
-    """down_split=1: down's units in one contiguous run a block of the lane (at most one a row group),
-    together the matrix once. A group is shared by at most two runs: the one holding its first unit writes
-    h (the residual added), the other starts inside it and writes h_piece; the readers add h and the piece
-    where the group has two (the kernel's h_has_piece). Emulated here on a random matrix against its
-    product; the scratch holds the partial sums of the most rows a run touches, and every other stage
-    is the default's."""
-    spec = spec_of(_config_only(tmp_path, name), target="cuda:sm_90")
-    _, default = build_schedule(spec, blocks)
-    _, sched = build_schedule(spec, blocks, options=CompileOptions.parse("down_split=1"))
-    assert sched.grid.slots == default.grid.slots
-    assert "lane.h_piece" in sched.memory["sync"] and "lane.h_piece" not in default.memory["sync"]
-    rotation = lambda stage: dataclasses.replace(stage, attrs=tuple(kv for kv in stage.attrs if kv[0] != "rotation"))
-    rng = np.random.default_rng(0)
-    for s, d in zip(sched.stages, default.stages):
-        if s.kind != "down":
-            assert rotation(s) == rotation(d)
-            continue
-        g = s.gemv
-        units = g.groups * g.row_tiles
-        assert g.split and s.tiles == min(blocks, g.groups)
-        pieces = group_pieces(g, s.tiles)
-        shares = any(begin % g.row_tiles for begin, _ in split_runs(units, s.tiles))   # a run starts inside a group
-        assert max(pieces) == (2 if shares else 1) and min(pieces) >= 1
-        if s.layer > 0:
-            continue                                  # every layer's down has the same shape
-        w = rng.standard_normal((g.groups * TILE_ROWS, g.stride))
-        x = rng.standard_normal(g.stride)
-        h, piece = np.full(g.rows, np.nan), np.full(g.rows, np.nan)
-        seen = np.zeros(units, dtype=int)
-        for t in range(s.tiles):
-            r0, first, last, rows = _split_tile(t, s.tiles, g)
-            assert rows <= g.rows_per_tile == g.pass_rows
-            start = r0 // TILE_ROWS * g.row_tiles
-            seen[start + first:start + last] += 1
-            assert run_of(start + first, units, s.tiles) == run_of(start + last - 1, units, s.tiles) == t
-            for r in range(rows):
-                lo = first * TILE_COLS if r < TILE_ROWS else 0
-                hi = min(last - r // TILE_ROWS * g.row_tiles, g.row_tiles) * TILE_COLS
-                y = w[r0 + r, lo:hi] @ x[lo:hi]
-                target = piece if r < TILE_ROWS and first else h      # the epilogue's second_rows
-                assert np.isnan(target[r0 + r])
-                target[r0 + r] = y
-        assert (seen == 1).all()
-        shared = np.repeat(np.array(pieces) == 2, TILE_ROWS)[:g.rows]
-        assert np.isnan(piece[~shared]).all() and not np.isnan(h).any()
-        np.testing.assert_allclose(np.where(shared, h + piece, h), w[:g.rows] @ x, rtol=1e-9, atol=1e-9)
-    down = next(s for s in sched.stages if s.kind == "down")
-    assert sched.grid.scratch_bytes >= 4 * down.gemv.pass_rows * sched.grid.consumer_warps
-    assert f"runs of {units // down.tiles}+ units (at most {down.gemv.rows_per_tile} rows)" in sched.dump()
-    for text, where in (("down_split=1,gemv_tiles=0", spec), ("down_split=1", spec.replace(lanes=2))):
-        with pytest.raises(KiecError, match="down_split.*not tiled or with lanes"):
-            build_schedule(where, blocks, options=CompileOptions.parse(text))
-    with pytest.raises(KiecError, match="down_split"):
-        CompileOptions.parse("down_split=2")
-
-
-def _take_rows(takes: list, grab_groups: int) -> list:
-    """The kernel's taken_row for every row of a block's takes, in its order."""
-    return [(takes[r // TILE_ROWS // grab_groups] * grab_groups + r // TILE_ROWS % grab_groups) * TILE_ROWS + r % TILE_ROWS
-            for r in range(len(takes) * grab_groups * TILE_ROWS)]
-
-
-@pytest.mark.parametrize("name,blocks,changes", [
-    ("llama-3.2-1b", 132, {}), ("qwen2.5-1.5b", 132, {}), ("qwen2.5-1.5b", 97, {}),
-    ("qwen2.5-1.5b", 132, {"intermediate_size": 8956}),        # 2,239 groups: the last take holds one
-    ("llama-3.2-1b", 18, {"intermediate_size": 9408}),         # few blocks: many takes a block, many words
-])
-def test_gate_up_dynamic_takes_cover_gate_up_once_and_stay_in_the_scratch(tmp_path, name, blocks, changes):
-    """gate_up_dynamic=1: every block of the lane has a gate_up tile whose row groups it takes from a counter,
-    grab_groups at a time (whole slots), at most max_grabs takes. Emulated here with blocks taking in a
-    random order and pace, each asking for the take after the one it streams while it may take one more
-    (take_rows): every take asked for is streamed, no block passes max_grabs, every group of the matrix
-    is computed once, and the rows mapped back from the blocks' takes (taken_row) give the product."""
-    spec = spec_of(_config_only(tmp_path, name, **changes), target="cuda:sm_90")
-    _, default = build_schedule(spec, blocks)
-    _, sched = build_schedule(spec, blocks, options=CompileOptions.parse("gate_up_dynamic=1"))
-    assert sched.grid.slots >= default.grid.slots - (blocks < 64) and sched.grid.producer_registers == 48
-    grid, most_takes = sched.grid, max(s.attr("max_grabs", 0) for s in sched.stages)
-    words = 64 + grid.slots + most_takes                 # the kernel's SMEM_BYTES
-    assert (grid.slots * grid.slot_bytes + grid.scratch_bytes + 2 * grid.slots * 8 + 4 * words
-            <= TARGETS["cuda:sm_90"].smem_bytes)
-    assert sched.grid.consumer_registers >= 224          # attention keeps its 4 rows in flight
-    slot_units = sched.grid.slot_bytes // TILE_BYTES
-    rng = np.random.default_rng(1)
-    for s, d in zip(sched.stages, default.stages):
-        if s.kind != "gate_up":
-            assert s.gemv == d.gemv and s.tiles == d.tiles
-            continue
-        g, G, grabs, most = s.gemv, s.attr("grab_groups"), s.attr("grabs"), s.attr("max_grabs")
-        assert (G * g.row_tiles) % slot_units == 0 and grabs == -(-g.groups // G) and s.tiles == blocks
-        assert most * blocks >= grabs and g.rows_per_tile == g.pass_rows == most * G * TILE_ROWS
-        assert sched.memory["sync"][f"lane.grab.{s.index}"][1] == 128
-        if s.layer > 0:
-            continue                                  # every layer's gate_up has the same shape
-        counter, taken, ahead = 0, [[] for _ in range(blocks)], [None] * blocks
-        live = list(range(blocks))
-        while live:                                   # one take_rows call by a block picked at random, block 0
-            b = live[0] if live[0] == 0 and rng.random() < 0.3 else live[rng.integers(len(live))]   # the fastest
-            if not taken[b]:
-                take, counter = counter, counter + 1
-            else:
-                take = ahead[b]
-            if take is not None and take < grabs and len(taken[b]) + 1 < most:
-                ahead[b], counter = counter, counter + 1
-            else:
-                ahead[b] = None
-            if take is None or take >= grabs:
-                live.remove(b)                        # the end's slot
-                continue
-            taken[b].append(take)
-            assert len(taken[b]) <= most
-        assert sorted(t for ts in taken for t in ts) == list(range(grabs))
-        assert len(taken[0]) == most                  # the fastest block stops at its most takes
-        w = rng.standard_normal((g.groups * TILE_ROWS, g.stride))
-        x = rng.standard_normal(g.stride)
-        y = np.full(g.rows, np.nan)
-        for ts in taken:
-            rows = np.array([r for r in _take_rows(ts, G) if r < g.rows], dtype=np.int64)
-            assert len(rows) <= g.rows_per_tile and np.isnan(y[rows]).all()
-            y[rows] = w[rows] @ x
-        np.testing.assert_allclose(y, w[:g.rows] @ x, rtol=1e-9, atol=1e-9)
-    for text, where, why in (("gate_up_dynamic=1,gemv_tiles=0", spec, "not tiled"),
-                             ("gate_up_dynamic=1", spec.replace(lanes=2), "with lanes"),
-                             ("gate_up_dynamic=1,slot_groups=2", spec, "slot groups")):
-        with pytest.raises(KiecError, match=f"gate_up_dynamic.*{why}"):
-            build_schedule(where, blocks, options=CompileOptions.parse(text))
-    with pytest.raises(KiecError, match="gate_up_dynamic"):
-        CompileOptions.parse("gate_up_dynamic=2")
 
 
 def test_tiled_order_is_the_kernel_s_and_round_trips():

@@ -39,7 +39,6 @@ class Gemv:
     rows_per_tile: int = 0  # set by schedule
     pass_rows: int = 0      # set by schedule: the rows whose partial sums the scratch holds at once (a tile's, or fewer)
     tiled: bool = False     # groups of TILE_ROWS rows stored as TILE_ROWS x TILE_COLS tiles (kiec.pack)
-    split: bool = False     # tiled, its tiles are runs of units (split_runs), not whole row groups
 
     @property
     def stride(self) -> int:
@@ -57,34 +56,6 @@ class Gemv:
     @property
     def bytes(self) -> int:
         return self.packed_rows * self.stride * 2
-
-    @property
-    def row_tiles(self) -> int:
-        """Units in one row group of a tiled matrix."""
-        return self.stride // TILE_COLS
-
-    @property
-    def groups(self) -> int:
-        """Row groups of a tiled matrix."""
-        return self.packed_rows // TILE_ROWS
-
-
-def split_runs(units: int, runs: int) -> list:
-    """The units [begin, end) of each of `runs` contiguous runs over a matrix's `units`: run t starts at
-    floor(t * units / runs), as the kernel works it out (tile_of). A run may start or end inside a row
-    group: that group's rows are the sum of the pieces the runs sharing it write."""
-    return [(t * units // runs, (t + 1) * units // runs) for t in range(runs)]
-
-
-def run_of(unit: int, units: int, runs: int) -> int:
-    """The run of split_runs(units, runs) that holds `unit` (the kernel's run_of)."""
-    return ((unit + 1) * runs - 1) // units
-
-
-def group_pieces(gemv: Gemv, runs: int) -> list:
-    """For each row group of a split matrix, how many runs share it (1 or 2 where runs <= groups)."""
-    units, rt = gemv.groups * gemv.row_tiles, gemv.row_tiles
-    return [run_of(g * rt + rt - 1, units, runs) - run_of(g * rt, units, runs) + 1 for g in range(gemv.groups)]
 
 
 def gemv_shape(rows: int, cols: int, max_segments: int = 8) -> Gemv:
@@ -201,9 +172,8 @@ class Schedule:
             cut = (f"tiles of {TILE_ROWS}x{TILE_COLS}, stride {g.stride}" if g.tiled else f"seg {g.segments}x{g.seg_width}"
                    ) if g else ""
             passes = f" (passes of {g.pass_rows})" if g and g.pass_rows < g.rows_per_tile else ""
-            tiles = (f"runs of {g.groups * g.row_tiles // s.tiles}+ units (at most {g.rows_per_tile} rows)" if g and g.split
-                     else f"rows/tile {g.rows_per_tile}" if g else "")
-            shape = f" gemv {g.rows}x{g.cols} {cut} {tiles}{passes} @ {g.offset}" if g else ""
+            shape = (f" gemv {g.rows}x{g.cols} {cut} rows/tile {g.rows_per_tile}{passes}"
+                     f" @ {g.offset}" if g else "")
             attrs = " ".join(f"{k}={v}" for k, v in s.attrs)
             lines.append(f"  {s.index:3d} {s.name:<22} tiles={s.tiles}{shape} {attrs}".rstrip())
         for region, buffers in self.memory.items():

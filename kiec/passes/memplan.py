@@ -18,10 +18,7 @@ Guarantees four regions, each a dict name -> (offset, bytes), 256-byte aligned:
   also holds `h_marked` and `act_marked`: the residual and the FFN activation, fp32 values whose
   lowest bit marks the write that stored them, which readers check instead of a fenced counter;
   and attention's output (`attn`), its queries (`q`) and this step's K and V rows (`kv_new`, each
-  16-bit value above its mark), marked too where the grid reads marks alone (`marks_only`); where down
-  is split into runs (`Gemv.split`), `h_piece`: the second run's share of each row group two runs share;
-  where gate_up's row groups are taken at run time (`gate_up_dynamic`), a counter line per gate_up stage
-  (`grab`), which the step's token selection sets back to 0.
+  16-bit value above its mark), marked too where the grid reads marks alone (`marks_only`).
 With several lanes, each lane also has an `inbox` (acts) of `exchange_slots` x 2 sublayers x
 lanes x D floats where its peers store their partials, and one line of per-sender flags per
 (slot, sublayer, tile) (`peer_flags`, sync). Exchange g (step x layers + layer) uses slot
@@ -159,8 +156,6 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     # the residual h and the FFN activation, fp32 values whose lowest bit marks their write: readers check
     # the mark, so these live where the counters do and are cleared with them (a cleared value never passes)
     lane_sync.add("h_marked", 4 * cfg.hidden)
-    if any(s.gemv is not None and s.gemv.split for s in stages):
-        lane_sync.add("h_piece", 4 * cfg.hidden)
     lane_sync.add("act_marked", 4 * max(s.attr("ffn") for s in stages if s.kind == "gate_up"))
     lane_sync.add("attn", 4 * att.attr("heads") * hd)
     lane_sync.add("q", 4 * att.attr("heads") * hd)
@@ -174,8 +169,6 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
         if s.kind == "attention":
             for j in range(s.attr("kv_heads")):
                 lane_sync.add(f"ticket.{s.index}.{j}", LINE)
-        if s.attr("grabs"):                          # gate_up_dynamic: the takes of its row groups, counted
-            lane_sync.add(f"grab.{s.index}", LINE)
     if slots:
         lane_sync.add("peer_flags", LINE * slots * 2 * exchange_tiles)   # [slot][sublayer][tile]
     sync_map = dict(sync.entries)

@@ -26,12 +26,6 @@ Guarantees:
   over the keys scores `pass_heads` query heads, the group spread evenly over as few passes as
   `heads_per_pass` (4) allows; with `combine_in_attn_out` every split tile signals and attn_out's
   prologue combines them;
-- with `down_split` (tiled, one lane) down's tiles are contiguous runs of its units, one a block of the
-  lane (`split_runs`), at most one run per row group, so that a row group is shared by at most two runs:
-  the first adds the residual and writes h, the second its piece (`h_piece`), and h's readers add the two;
-- with `gate_up_dynamic` (tiled, one lane, one slot group) every block of the lane has a gate_up tile
-  whose row groups it takes at run time from the stage's counter, `grab_groups` at a time (whole slots),
-  at most `max_grabs` takes (twice its share), as its ring frees up: a block that streams faster takes more;
 - tile t of a stage runs on block (t + rotation) % blocks, the rotation carrying on
   from the previous stage, so small stages land on different blocks;
 - shared memory holds the ring of weight slots plus one scratch area (input vector,
@@ -58,11 +52,9 @@ combines them itself); an attention tile only for the qkv tiles that cover its K
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from ..errors import KiecError
-from ..ir.schedule import (TILE_BYTES, TILE_COLS, TILE_ROWS, Gemv, Grid, Schedule, Stage, gemv_shape, gemv_tiled,
-                           split_runs)
+from ..ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS, Grid, Schedule, Stage, gemv_shape, gemv_tiled
 from ..options import CompileOptions
 from ..targets import Target
 
@@ -105,12 +97,6 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     if options.tile_accumulators and not tiled:
         raise KiecError("tile_accumulators", options.tile_accumulators,
                         "unset where the matrices are not tiled (gemv_tiles=0 or the target)")
-    if options.gate_up_dynamic and (not tiled or lanes > 1 or slot_groups > 1):
-        raise KiecError("gate_up_dynamic", options.gate_up_dynamic, "0 where the matrices are not tiled, with lanes or "
-                        "with slot groups (a block takes row groups from its lane's counter, one slot group reading them)")
-    if options.down_split and (not tiled or lanes > 1):
-        raise KiecError("down_split", options.down_split, "0 where the matrices are not tiled or with lanes (a shared "
-                        "row's pieces are added on one lane, not exchanged)")
     if warps % slot_groups:
         raise KiecError("slot_groups", slot_groups, f"a divisor of the {warps} consumer warps")
     if options.ring_evict_first and not target.ring_evict_first:
@@ -120,10 +106,6 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     if options.producer_registers and not target.producer_registers:
         raise KiecError("producer_registers", options.producer_registers, f"unset on {target.name}, whose warps keep their registers")
     producer_registers = options.producer_registers or target.producer_registers
-    if options.gate_up_dynamic and not options.producer_registers and producer_registers:
-        # taking row groups keeps a take ahead in the producer's cursor: with 40 registers it spilled 60 bytes
-        # (Llama-1B), with 48 none, and the consumers keep 224
-        producer_registers = max(producer_registers, 48)
     consumer_registers = 0
     if producer_registers:
         launched, consumer_registers = _moved_registers(target, warps, producer_registers)
@@ -142,11 +124,6 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             cut = gemv_tiled(s.gemv.rows, s.gemv.cols, warps) if tiled else gemv_shape(s.gemv.rows, s.gemv.cols, warps)
             gemv = dataclasses.replace(s.gemv, segments=cut.segments, seg_width=cut.seg_width,
                                        rows_per_tile=rows_per_tile, pass_rows=rows_per_tile, tiled=tiled)
-            if s.kind == "down" and options.down_split:
-                gemv, tiles = _split(gemv, per_lane)
-            if s.kind == "gate_up" and options.gate_up_dynamic:
-                gemv, tiles, takes = _taken(gemv, per_lane, (options.slot_bytes or target.slot_bytes) // TILE_BYTES)
-                s = dataclasses.replace(s, attrs=tuple(sorted(dict(s.attrs, **takes).items())))
             stages.append(dataclasses.replace(s, gemv=gemv, tiles=tiles))
         elif s.kind == "attention":
             if s.attr("head_dim") % 8:
@@ -207,13 +184,8 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     stages = _attention_waits(stages)
     slot_bytes = options.slot_bytes or target.slot_bytes
 
-    # gate_up_dynamic's words (each slot's take, a block's takes) grow with the slots and with a block's most
-    # takes, which few blocks make many: kept out of the ring beside the barriers' bytes
-    takes = max((s.attr("max_grabs", 0) for s in stages), default=0)
-    take_words = 4 * (target.smem_bytes // slot_bytes + takes) if takes else 0
-
     def ring_slots(scratch: int) -> int:
-        slots = (target.smem_bytes - scratch - BARRIER_BYTES - take_words) // slot_bytes
+        slots = (target.smem_bytes - scratch - BARRIER_BYTES) // slot_bytes
         slots = min(slots, options.max_slots or slots)
         # warp groups taking turns skip every other phase of a slot's barriers: with an even slot count a
         # slot always belongs to the same group, so no group waits on a phase two ahead of the one it saw
@@ -224,7 +196,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     scratch = max(_stage_scratch(stages, s, warps) for s in stages)
     slots = ring_slots(scratch)
     if slots < 2 and options.slot_bytes:
-        fits = (target.smem_bytes - scratch - BARRIER_BYTES - take_words) // 2 // 1024 * 1024
+        fits = (target.smem_bytes - scratch - BARRIER_BYTES) // 2 // 1024 * 1024
         raise KiecError("slot_bytes", options.slot_bytes, f"at most {fits} (two slots beside this model's {scratch} "
                         f"bytes of scratch in {target.smem_bytes} bytes of shared memory on {target.name})")
     if slots < 2:
@@ -296,32 +268,6 @@ def attention_splits(lo: int, pos: int, splits: int, batch: int, min_length: int
         return -(-n // batch) * batch, 1
     length = max(-(-(-(-n // splits)) // batch) * batch, min_length)
     return length, -(-n // length)
-
-
-def _split(gemv: Gemv, per_lane: int) -> tuple[Gemv, int]:
-    """down as runs of units, one a block of the lane (split_runs): the heaviest block streams
-    units / blocks units instead of a whole tile of row groups (Qwen-1.5B's 1,536 rows in 16-row tiles
-    leave 36 of 132 blocks idle). At most one run a row group, so a run is at least a group long and a
-    group has at most two pieces. rows_per_tile becomes the most rows a run touches: its partial sums'
-    room in the scratch."""
-    units = gemv.groups * gemv.row_tiles
-    runs = min(per_lane, gemv.groups)
-    groups = max(-(-end // gemv.row_tiles) - begin // gemv.row_tiles for begin, end in split_runs(units, runs))
-    rows = groups * TILE_ROWS
-    return dataclasses.replace(gemv, split=True, rows_per_tile=rows, pass_rows=rows), runs
-
-
-def _taken(gemv: Gemv, per_lane: int, slot_units: int) -> tuple[Gemv, int, dict]:
-    """gate_up with its row groups taken at run time: a take is `grab_groups` groups, the fewest that fill
-    whole slots (Llama-1B's 64-unit groups one, Qwen-1.5B's 48-unit groups two), so every take's chunks
-    are whole slots but the matrix's last; a block takes at most twice its share. Every block of the lane
-    has a tile; rows_per_tile is the most rows a block can take: its partial sums' room in the scratch."""
-    groups_a_take = slot_units // math.gcd(gemv.row_tiles, slot_units)
-    grabs = -(-gemv.groups // groups_a_take)
-    max_grabs = 2 * -(-grabs // per_lane)
-    rows = max_grabs * groups_a_take * TILE_ROWS
-    return (dataclasses.replace(gemv, rows_per_tile=rows, pass_rows=rows), per_lane,
-            dict(grab_groups=groups_a_take, grabs=grabs, max_grabs=max_grabs))
 
 
 def _rotate(stages: list, per_lane: int, blocks: int) -> list:
