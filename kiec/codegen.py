@@ -127,13 +127,14 @@ def primed_by(sched: Schedule, s) -> int | str:
     embedding, so there it proves nothing: layer 0 is safe because every block begins a step by
     acquiring the last step's token, published after every block took the LM head's ticket, whose
     tiles each read the last layer's h whole (LM_TICKETS). One lane only (`marks_only`); attn_out
-    reads marks only where attention's own output is marked (not where it combines the splits)."""
+    reads marks only where attention's own output is marked (not where it combines the splits, nor in the
+    probe `timing_only=4`, where it reads none)."""
     if not sched.grid.marks_only or s.layer is None:
         return "NONE"
     index = {(t.kind, t.layer): t.index for t in sched.stages}
     if s.kind == "qkv":
         return index[("gate_up", s.layer - 1)] if s.layer > 0 else "NONE"     # layer 0 reads the embedding
-    if s.kind == "attn_out" and sched.stages[s.index - 1].attr("combine_in_attn_out"):
+    if s.kind == "attn_out" and (sched.stages[s.index - 1].attr("combine_in_attn_out") or sched.grid.timing_only == 4):
         return "NONE"
     if s.kind in ("attn_out", "gate_up", "down") or (s.kind == "attention" and sched.grid.marks_only >= 2):
         return index[("qkv", s.layer)]

@@ -88,9 +88,10 @@ class CompileOptions:
                             "where safe) or 2 (attention's inputs marked too)")
         if self.kv_store_late not in (None, 0, 1):
             raise KiecError("kv_store_late", self.kv_store_late, "0 or 1 (a debug build: the cache's new rows stored at the step's end)")
-        if self.timing_only not in (None, 0, 1, 2, 3):
-            raise KiecError("timing_only", self.timing_only, "0, 1 (no weight copies), 2 (no arithmetic) or 3 "
-                            "(attention's keys loaded, not scored)")
+        if self.timing_only not in (None, 0, 1, 2, 3, 4):
+            raise KiecError("timing_only", self.timing_only, "0, 1 (no weight copies), 2 (no arithmetic), 3 "
+                            "(attention's keys loaded, not scored) or 4 (attention off the path: attn_out waits "
+                            "for qkv and reads no attention output)")
 
     def label(self) -> str:
         """'slot_bytes=32768' style: only the knobs that differ from the defaults."""

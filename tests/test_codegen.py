@@ -78,7 +78,7 @@ def test_generated_kernel_compiles(tmp_path, name, target):
 
 
 OPTION_TEXTS = ["gemv_tiles=0", "gemv_tiles=0,reduce_batch=1", "gemv_tiles=0,reduce_batch=16,warp_release=1",
-                "timing_only=1", "timing_only=2", "timing_only=3", "gemv_tiles=0,timing_only=2", "slot_groups=2",
+                "timing_only=1", "timing_only=2", "timing_only=3", "timing_only=4", "gemv_tiles=0,timing_only=2", "slot_groups=2",
                 "tile_accumulators=1", "tile_accumulators=2", "kv_in_flight=4", "heads_per_pass=2",
                 "combine_in_attn_out=1", "combine_in_attn_out=1,gemv_tiles=0", "copies_in_flight=3",
                 "ring_evict_first=0", "producer_registers=56", "marks_only=0", "marks_only=1",
@@ -136,6 +136,25 @@ def test_attn_out_waits_for_every_split_tile_where_it_combines_them(tmp_path):
                     "": att.attr("heads")}[text]
             assert _stage_entry(sched, s, trace, False)["wait_count"] == want, text
         assert ("constexpr bool COMBINE_IN_ATTN_OUT = true;" in files["kernel.hip"]) == text.startswith("combine")
+
+
+def test_the_attention_probe_takes_attention_off_the_path(tmp_path):
+    """timing_only=4: attn_out is never primed (it reads no marks) and no other stage moves; the kernel
+    has it wait for every KV group's qkv counter, as attention does."""
+    from kiec.codegen import _stage_entry, trace_layout
+    spec = _spec(tmp_path, "tiny-llama")
+    entries, kernels = {}, {}
+    for text in ("marks_only=1", "marks_only=1,timing_only=4"):
+        _, sched, files, _ = render_sources(spec, options=CompileOptions.parse(text))
+        trace, _ = trace_layout(sched)
+        entries[text] = {s.index: _stage_entry(sched, s, trace, False) for s in sched.stages}
+        kernels[text] = files["kernel.hip"]
+    base, probe = entries["marks_only=1"], entries["marks_only=1,timing_only=4"]
+    moved = {i for i in probe if probe[i] != base[i]}
+    assert moved == {i for i in probe if probe[i]["kind"] == "attn_out"}
+    assert all(probe[i]["primed"] == "NONE" != base[i]["primed"] for i in moved)
+    assert "constexpr uint32_t TIMING_ONLY = 4;" in kernels["marks_only=1,timing_only=4"]
+
 
 
 def test_generated_source_is_readable_and_in_sync_with_the_stage_table(tmp_path):
