@@ -21,7 +21,6 @@ class CompileOptions:
     slot_pairs: int | None = None       # 1: a warp takes two full slots in one go where both are in (None: where it can; 0: one at a time)
     copies_in_flight: int | None = None  # a block's weight copies in flight in the layers at most (None: the target's; 0: no cap)
     stream_copies_in_flight: int | None = None  # the same while the block's consumers stream a gate_up or down tile (None: copies_in_flight; 0: no cap)
-    l2_lookahead: int | None = None     # N: a spare producer warp asks L2 for each weight chunk N chunks before the ring's fill takes it (None/0: none)
     lm_head_passes: int | None = None   # 1: the LM head's tile in one pass (None: in as few passes as give the ring another slot where the matrices are tiled)
     producer_registers: int | None = None  # registers a producer thread keeps, the consumers taking the rest (None: the target's)
     ring_evict_first: int | None = None  # 1: the ring's copies carry L2's evict-first hint, 0: the normal policy (None: the target's)
@@ -65,8 +64,6 @@ class CompileOptions:
         if self.stream_copies_in_flight is not None and not 0 <= self.stream_copies_in_flight <= 64:
             raise KiecError("stream_copies_in_flight", self.stream_copies_in_flight,
                             "0 (no cap) to 64 weight copies a block has in flight while its consumers stream gate_up or down")
-        if self.l2_lookahead is not None and not 0 <= self.l2_lookahead <= 64:
-            raise KiecError("l2_lookahead", self.l2_lookahead, "0 (none) to 64 weight chunks a block asks L2 for past the ring's newest")
         if self.lm_head_passes not in (None, 1):
             raise KiecError("lm_head_passes", self.lm_head_passes, "1 (the LM head's tile in one pass) or unset")
         if self.producer_registers is not None and not (24 <= self.producer_registers <= 128 and self.producer_registers % 8 == 0):

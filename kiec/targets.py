@@ -23,7 +23,6 @@ class Target:
     copies_in_flight: int     # a block's weight copies in flight in the layers at most (0: no cap), where the device is unknown
     copy_latency_ns: int      # else the copies that cover a block's share of the device's peak bandwidth for this long (0: fixed)
     ring_evict_first: bool    # the ring's copies carry L2's evict-first hint (False: the target has none for them)
-    l2_prefetch: bool         # a spare warp of the producer's can ask L2 for weights ahead of the ring (bulk prefetch)
     marks_only: int           # on one lane, marked inputs read without counters (0-2): its argument needs one L2 as the point of coherence
     compiler: str             # builds the .so
     compile_flags: tuple
@@ -36,7 +35,6 @@ TARGETS = {
         name="cuda:sm_90", vendor="nvidia", arch="sm_90a", warp_size=32, multiprocessors=132,
         smem_bytes=227 * 1024, slot_bytes=16 * 1024, gemv_tiles=True,
         producer_warps=4, producer_registers=40, copies_in_flight=3, copy_latency_ns=1300, ring_evict_first=True,
-        l2_prefetch=True,
         marks_only=2,
         compiler="nvcc",
         compile_flags=("-O3", "-std=c++17", "-x", "cu", "-gencode=arch=compute_90a,code=sm_90a",
@@ -49,7 +47,6 @@ TARGETS = {
         name="hip:gfx942", vendor="amd", arch="gfx942", warp_size=64, multiprocessors=304,
         smem_bytes=64 * 1024, slot_bytes=8 * 1024, gemv_tiles=False,
         producer_warps=1, producer_registers=0, copies_in_flight=0, copy_latency_ns=0, ring_evict_first=False,
-        l2_prefetch=False,
         marks_only=0,             # MI300X's chiplets each have an L2; not yet run on AMD hardware
         compiler="hipcc",
         compile_flags=("-O3", "-std=c++17", "--offload-arch=gfx942", "-munsafe-fp-atomics"),

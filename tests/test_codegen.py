@@ -83,15 +83,13 @@ OPTION_TEXTS = ["gemv_tiles=0", "gemv_tiles=0,reduce_batch=1", "gemv_tiles=0,red
                 "combine_in_attn_out=1", "combine_in_attn_out=1,gemv_tiles=0", "copies_in_flight=3",
                 "ring_evict_first=0", "producer_registers=56", "marks_only=0", "marks_only=1",
                 "marks_only=2", "marks_only=2,combine_in_attn_out=1", "kv_in_flight=8", "marks_only=2,kv_store_late=1", "slot_pairs=0",
-                "copies_in_flight=2,stream_copies_in_flight=3", "l2_lookahead=8"]
+                "copies_in_flight=2,stream_copies_in_flight=3"]
 
 
 def _option_fits(text: str, target) -> bool:
-    """Options a target refuses: tiled-only knobs where the matrices are rows, register moves where
-    warps keep their registers, and the L2 lookahead without bulk L2 prefetch."""
+    """Options a target refuses: tiled-only knobs where the matrices are rows, and register moves
+    where warps keep their registers."""
     if "producer_registers" in text and not target.producer_registers:
-        return False
-    if "l2_lookahead" in text and not target.l2_prefetch:
         return False
     return target.gemv_tiles or ("slot_groups" not in text and "tile_accumulators" not in text)
 

@@ -282,15 +282,6 @@ def test_slot_pairs_change_no_bit(tmp_path, name):
     assert np.array_equal(logits[""], logits["slot_pairs=0"])
 
 
-def test_the_l2_lookahead_changes_no_bit(tmp_path):
-    """The lookahead only asks L2 for weights before the ring's fills take them: the copies, the products
-    and their order are the default's, so the logits must be bit for bit, and a launch of many steps
-    must select what one launch a step selects (the lookahead's walk ends with the producer's)."""
-    built, logits = default_against(tmp_path, PAIR_SHAPES["qwen-1.5b-rows"], 43, "l2_lookahead=16")
-    assert built["l2_lookahead=16"].sched.grid.l2_lookahead == 16
-    assert np.array_equal(logits[""], logits["l2_lookahead=16"])
-
-
 @pytest.mark.parametrize("lanes", LANE_COUNTS[1:])
 def test_exact_tensor_parallel_lanes_match_transformers_and_one_lane(lane_built, lanes):
     spec, _ = lane_built[("llama", lanes)]
@@ -420,8 +411,7 @@ def sequence_launch_selects_what_step_launches_select(backend):
 # the tiny Llama; rows of 48 tiles, whose full slots a warp takes in pairs (the tiny ones never fill a slot)
 SANITIZED = {"tiny": [], "pairs": ["--preset", "tiny-qwen2", "--set", "hidden_size=1536,num_attention_heads=12,"
                                                                        "intermediate_size=2240,num_hidden_layers=1"],
-             "stream-cap": ["--options", "copies_in_flight=2,stream_copies_in_flight=3"],   # the consumers' hint
-             "lookahead": ["--options", "l2_lookahead=4"]}        # a walker sharing the producer's word
+             "stream-cap": ["--options", "copies_in_flight=2,stream_copies_in_flight=3"]}   # the consumers' hint
 
 
 @pytest.mark.parametrize("shape", list(SANITIZED))

@@ -216,31 +216,6 @@ def test_the_streams_copy_cap_is_the_layers_unless_asked(models):
         CompileOptions.parse("stream_copies_in_flight=65")
 
 
-def test_the_l2_lookahead_is_a_spare_producer_warp_where_the_target_has_one(models):
-    """l2_lookahead=N renders the second warp of the producer's warpgroup as a walker asking L2 for each
-    chunk N chunks before the ring's fill takes it, and gives the producer the register pair its word
-    costs (48 unless producer_registers asks); by default nothing of it is rendered, and a target
-    without bulk L2 prefetch or a spare producer warp refuses it."""
-    spec = spec_of(models["tiny-llama"])
-    _, default = build_schedule(spec, 132)
-    assert default.grid.l2_lookahead == 0
-    files = render_sources(spec, 132)[2]
-    assert "lookahead_role" not in files["kernel.hip"] and "prefetch_l2" not in files["kernel.hip"]
-    _, ahead = build_schedule(spec, 132, options=CompileOptions.parse("l2_lookahead=12"))
-    assert ahead.grid.l2_lookahead == 12
-    assert (ahead.grid.producer_registers, default.grid.producer_registers) == (48, 40)
-    assert ahead.grid.consumer_registers <= default.grid.consumer_registers
-    _, asked = build_schedule(spec, 132, options=CompileOptions.parse("l2_lookahead=12,producer_registers=56"))
-    assert asked.grid.producer_registers == 56
-    kernel = render_sources(spec, 132, options=CompileOptions.parse("l2_lookahead=12"))[2]["kernel.hip"]
-    assert "constexpr uint32_t L2_LOOKAHEAD = 12;" in kernel and "lookahead_role(c);" in kernel
-    with pytest.raises(KiecError, match=r"l2_lookahead.*hip:gfx942"):
-        build_schedule(spec.replace(target="hip:gfx942"), options=CompileOptions.parse("l2_lookahead=4"))
-    for bad in ("-1", "65"):
-        with pytest.raises(KiecError, match="l2_lookahead"):
-            CompileOptions.parse(f"l2_lookahead={bad}")
-
-
 
 @pytest.mark.parametrize("name,passes", (("llama-3.2-1b", 2), ("qwen2.5-1.5b", 1)))
 def test_the_lm_head_goes_in_passes_only_where_the_ring_gains_a_slot(tmp_path, name, passes):

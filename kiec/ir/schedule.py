@@ -117,7 +117,6 @@ class Grid:
     slot_pairs: bool = False        # a consumer warp takes two full slots in one go where both are in (tiled matrices)
     copies_in_flight: int = 0       # a block's weight copies in flight at most (0: as many as free slots)
     stream_copies_in_flight: int = 0  # the same while its consumers stream a gate_up or down tile
-    l2_lookahead: int = 0           # weight chunks past the ring's newest fill a spare producer warp asks L2 for (0: none)
     producer_registers: int = 0     # registers a producer thread keeps once the roles split (0: no rebalancing)
     consumer_registers: int = 0     # registers a consumer thread takes then (0: no rebalancing)
     ring_evict_first: bool = False  # the ring's copies carry L2's evict-first hint

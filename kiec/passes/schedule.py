@@ -61,7 +61,6 @@ from ..targets import Target
 BARRIER_BYTES = 1024     # mbarriers and block-local flags
 REGISTER_FILE = 65536    # 32-bit registers of a multiprocessor; one block holds them all
 MAX_THREAD_REGISTERS = 240   # what a consumer thread asks for at most
-LOOKAHEAD_PRODUCER_REGISTERS = 48   # a producer thread's registers at least where it publishes its fills (l2_lookahead)
 
 
 def _moved_registers(target: Target, warps: int, producer: int) -> tuple[int, int]:
@@ -100,8 +99,6 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                         "unset where the matrices are not tiled (gemv_tiles=0 or the target)")
     if warps % slot_groups:
         raise KiecError("slot_groups", slot_groups, f"a divisor of the {warps} consumer warps")
-    if options.l2_lookahead and not (target.l2_prefetch and target.producer_warps > 1):
-        raise KiecError("l2_lookahead", options.l2_lookahead, f"0 on {target.name} (no bulk L2 prefetch, or no spare producer warp)")
     if options.ring_evict_first and not target.ring_evict_first:
         raise KiecError("ring_evict_first", options.ring_evict_first, f"0 on {target.name}, whose producer copies with its own loads")
     # registers: the producer's warpgroup gives back all but `producer` a thread and the consumers take
@@ -109,9 +106,6 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     if options.producer_registers and not target.producer_registers:
         raise KiecError("producer_registers", options.producer_registers, f"unset on {target.name}, whose warps keep their registers")
     producer_registers = options.producer_registers or target.producer_registers
-    if options.l2_lookahead and not options.producer_registers and producer_registers:
-        # the lookahead's word costs the producer a register pair: with 40, ptxas spills one (Llama-1B)
-        producer_registers = max(producer_registers, LOOKAHEAD_PRODUCER_REGISTERS)
     consumer_registers = 0
     if producer_registers:
         launched, consumer_registers = _moved_registers(target, warps, producer_registers)
@@ -245,7 +239,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 tile_accumulators=options.tile_accumulators or 4,
                 slot_pairs=pairs_fit if options.slot_pairs is None else bool(options.slot_pairs),
                 copies_in_flight=min(copies, slots),
-                stream_copies_in_flight=min(stream_copies, slots), l2_lookahead=options.l2_lookahead or 0,
+                stream_copies_in_flight=min(stream_copies, slots),
                 producer_registers=producer_registers, consumer_registers=consumer_registers,
                 ring_evict_first=target.ring_evict_first if options.ring_evict_first is None
                 else bool(options.ring_evict_first),
