@@ -137,8 +137,8 @@ def test_attn_out_waits_for_every_split_tile_where_it_combines_them(tmp_path):
 
 
 def test_the_attention_probe_takes_attention_off_the_path(tmp_path):
-    """timing_only=4: attn_out is never primed (it reads no marks) and no other stage moves; the kernel
-    has it wait for every KV group's qkv counter, as attention does."""
+    """timing_only=4: attn_out is never primed (it reads no marks) and no other stage moves (the kernel
+    then has it wait for every KV group's qkv counter, as attention does)."""
     from kiec.codegen import _stage_entry, trace_layout
     spec = _spec(tmp_path, "tiny-llama")
     entries, kernels = {}, {}
@@ -152,7 +152,6 @@ def test_the_attention_probe_takes_attention_off_the_path(tmp_path):
     assert moved == {i for i in probe if probe[i]["kind"] == "attn_out"}
     assert all(probe[i]["primed"] == "NONE" != base[i]["primed"] for i in moved)
     assert "constexpr uint32_t TIMING_ONLY = 4;" in kernels["marks_only=1,timing_only=4"]
-
 
 
 def test_generated_source_is_readable_and_in_sync_with_the_stage_table(tmp_path):
