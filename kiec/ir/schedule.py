@@ -111,7 +111,8 @@ class Grid:
     producer_warps: int = 1         # the producer's warps (a whole warpgroup where registers move by warpgroup)
     reduce_batch: int = 8           # a warp's dot products reduced together
     warp_release: bool = False      # one arrive per consumer warp frees a slot (else one per thread)
-    timing_only: int = 0            # 1: no weight copies, 2: no consumer arithmetic, 3: no attention scoring (outputs wrong)
+    timing_only: int = 0            # 1: no weight copies, 2: no consumer arithmetic, 3: no attention scoring,
+                                    # 4: attention off the path, 5: a by-head attention tile on half its keys (outputs wrong)
     slot_groups: int = 1            # consumer warp groups taking turns at the ring's slots (tiled matrices)
     tile_accumulators: int = 4      # independent accumulators a warp's tile products go round (tiled matrices)
     slot_pairs: bool = False        # a consumer warp takes two full slots in one go where both are in (tiled matrices)
