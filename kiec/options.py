@@ -28,6 +28,7 @@ class CompileOptions:
     split_batches: int | None = None    # at least this many key batches an attention split takes (None: 4 where a batch is one pass over the keys, else 1)
     heads_per_pass: int | None = None   # at most this many query heads an attention pass over the keys scores, 1-8 (None: 4)
     attention_by_head: int | None = None  # N: a context of up to N keys is scored a query head a tile, whole, no combine (None: 512 where it can, without lanes; 0: never)
+    by_head_rows: int | None = None     # K and V rows a lane loads per batch in a by-head attention tile: 1, 2, 4 or 8 (None: as the other tiles)
     combine_in_attn_out: int | None = None  # 1: attn_out's prologue combines attention's splits (no last-split combine; None/0: the last split does)
     marks_only: int | None = None       # 1: a stage reads its marked input (h, the FFN activation, attention's output) without its counter where this block's earlier tile read the write before; 2: attention's inputs too, and qkv has no fence (None: the target's on one lane, 0 with lanes; 0: counter, then marks)
     # debug: 1 stores the cache's copy of each step's K and V rows only at the step's end (with marks_only 2),
@@ -77,6 +78,8 @@ class CompileOptions:
             raise KiecError("split_batches", self.split_batches, "1 to 64 key batches an attention split takes at least")
         if self.heads_per_pass is not None and not 1 <= self.heads_per_pass <= 8:
             raise KiecError("heads_per_pass", self.heads_per_pass, "1 to 8 query heads a pass over the keys scores")
+        if self.by_head_rows not in (None, 1, 2, 4, 8):
+            raise KiecError("by_head_rows", self.by_head_rows, "1, 2, 4 or 8 K and V rows a lane of a by-head attention tile loads per batch")
         if self.attention_by_head is not None and not 0 <= self.attention_by_head <= 65536:
             raise KiecError("attention_by_head", self.attention_by_head, "0 to 65536 keys a query head's tile scores at most")
         if self.combine_in_attn_out not in (None, 0, 1):

@@ -142,6 +142,19 @@ def test_rows_in_flight_follow_the_consumers_registers(models):
             att = next(s for s in sched.stages if s.kind == "attention")
             assert att.attr("heads") // att.attr("kv_heads") == group
             assert (att.attr("rows"), att.attr("prefetch")) == (rows, prefetch), (name, target)
+            # a by-head tile (one query head's accumulators) takes 4 rows where the consumers are roomy
+            assert att.attr("by_head_rows") == (4 if target == "cuda:sm_90" else amd_rows), (name, target)
+
+
+def test_by_head_rows_sets_a_by_head_tiles_batch_alone(models):
+    spec = spec_of(models["tiny-qwen2"])
+    for text, rows, by_head_rows in (("by_head_rows=1", 2, 1), ("by_head_rows=8", 2, 8), ("kv_in_flight=2", 1, 4),
+                                     ("kv_in_flight=8,by_head_rows=2", 4, 2)):
+        _, sched = build_schedule(spec, options=CompileOptions.parse(text))
+        att = next(s for s in sched.stages if s.kind == "attention")
+        assert (att.attr("rows"), att.attr("by_head_rows")) == (rows, by_head_rows), text
+    with pytest.raises(KiecError, match="by_head_rows"):
+        CompileOptions.parse("by_head_rows=3")
 
 
 def test_heads_per_pass_spreads_a_group_evenly_over_the_passes(tmp_path):
