@@ -28,7 +28,7 @@ class CompileOptions:
     split_batches: int | None = None    # at least this many key batches an attention split takes (None: 4 where a batch is one pass over the keys, else 1)
     heads_per_pass: int | None = None   # at most this many query heads an attention pass over the keys scores, 1-8 (None: 4)
     attention_by_head: int | None = None  # N: a context of up to N keys is scored a query head a tile, whole, no combine (None: 512 where it can, without lanes; 0: never)
-    by_head_rows: int | None = None     # K and V rows a lane loads per batch in a by-head attention tile: 1, 2, 4 or 8 (None: as the other tiles)
+    by_head_rows: int | None = None     # K and V rows a lane loads per batch in a by-head attention tile: 1, 2, 4 or 8 (None: 4 where the consumers take the producer's registers and no kv_in_flight is given, else the other tiles' rows)
     combine_in_attn_out: int | None = None  # 1: attn_out's prologue combines attention's splits (no last-split combine; None/0: the last split does)
     marks_only: int | None = None       # 1: a stage reads its marked input (h, the FFN activation, attention's output) without its counter where this block's earlier tile read the write before; 2: attention's inputs too, and qkv has no fence (None: the target's on one lane, 0 with lanes; 0: counter, then marks)
     # debug: 1 stores the cache's copy of each step's K and V rows only at the step's end (with marks_only 2),

@@ -182,7 +182,8 @@ def _newest_row_batches(att, steps: int) -> dict:
         length, used = attention_splits(0, pos, att.attr("splits"), att.attr("batch"), att.attr("min_split"),
                                         att.attr("by_head_keys"))
         path = "by head" if pos < att.attr("by_head_keys") else "alone" if used == 1 else "split"
-        batch = att.attr("batch") * att.attr("by_head_rows") // att.attr("rows") if path == "by head" else att.attr("batch")
+        # a batch is `rows` rows of every warp's lanes; a by-head tile's holds its own rows
+        batch = att.attr("batch") // att.attr("rows") * (att.attr("by_head_rows") if path == "by head" else att.attr("rows"))
         out[path] = out.get(path, False) or pos % length >= batch
     return out
 
@@ -215,6 +216,7 @@ def test_no_attention_reads_this_steps_row_from_the_cache(tmp_path, paths, taken
         del backend
     att = next(s for s in compiled.sched.stages if s.kind == "attention")
     assert att.attr("batch") == 64 and att.attr("min_split") == 128
+    assert att.attr("by_head_rows") == (2 if "by_head_rows=2" in paths else 4)      # by-head batches of 64 or 128
     assert _newest_row_batches(att, steps) == dict.fromkeys(taken, True)
     assert att.attr("pass_heads") < att.attr("heads") // att.attr("kv_heads") or att.attr("combine_in_attn_out")
     got = logits[",kv_store_late=1"]

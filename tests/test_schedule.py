@@ -148,7 +148,8 @@ def test_rows_in_flight_follow_the_consumers_registers(models):
 
 def test_by_head_rows_sets_a_by_head_tiles_batch_alone(models):
     spec = spec_of(models["tiny-qwen2"])
-    for text, rows, by_head_rows in (("by_head_rows=1", 2, 1), ("by_head_rows=8", 2, 8), ("kv_in_flight=2", 1, 4),
+    for text, rows, by_head_rows in (("by_head_rows=1", 2, 1), ("by_head_rows=8", 2, 8), ("kv_in_flight=2", 1, 1),
+                                     ("kv_in_flight=8", 4, 4), ("kv_in_flight=2,by_head_rows=4", 1, 4),
                                      ("kv_in_flight=8,by_head_rows=2", 4, 2)):
         _, sched = build_schedule(spec, options=CompileOptions.parse(text))
         att = next(s for s in sched.stages if s.kind == "attention")
