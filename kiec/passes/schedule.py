@@ -147,8 +147,9 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             # rows a lane per batch, so its first batch (loaded while the tile waits for qkv) holds twice the
             # keys. Timed on an H100 (Llama-1B, Qwen-1.5B, two calls): attention's stream 0.4-0.5 us shorter,
             # one launch a sequence 0.6-1.3% faster, 0.5-2.2% from position 400; one launch a step 0.2-1.0% slower.
-            # A kv_in_flight given holds for these tiles too, unless by_head_rows is given as well.
-            by_head_rows = options.by_head_rows or (4 if roomy and prefetch and not options.kv_in_flight else rows)
+            # A kv_in_flight given holds for these tiles too, unless by_head_rows is given as well (roomy
+            # consumers without one prefetch, above).
+            by_head_rows = options.by_head_rows or (4 if roomy and not options.kv_in_flight else rows)
             batch = warps * (target.warp_size // lanes_per_key) * rows
             # the combine keeps each split's weights, (2 splits + 1) a head, where the warps' output sums
             # were: at most (warps x head_dim - 1) / 2 splits (gfx942's 4 waves reach it at head_dim 64)
