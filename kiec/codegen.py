@@ -33,8 +33,8 @@ def trace_layout(sched: Schedule) -> tuple[dict, int]:
     for s in sched.stages:
         if s.kind in ("qkv", "attention"):
             size, lanes = cfg["heads"] * cfg["head_dim"], sched.lanes
-        elif s.kind in ("attn_out", "down"):
-            size, lanes = cfg["hidden"], sched.lanes
+        elif s.kind in ("attn_out", "down"):       # down in column halves: h with the first, then the second
+            size, lanes = cfg["hidden"] * (2 if s.attr("half_tiles") else 1), sched.lanes
         elif s.kind == "gate_up":
             size, lanes = s.gemv.rows // 2, sched.lanes
         else:
@@ -126,7 +126,9 @@ def primed_by(sched: Schedule, s) -> int | str:
     new K and V rows of layer L - 1 seen, which qkv(L) follows through h. Layer 0's qkv reads the
     embedding, so there it proves nothing: layer 0 is safe because every block begins a step by
     acquiring the last step's token, published after every block took the LM head's ticket, whose
-    tiles each read the last layer's h whole (LM_TICKETS). One lane only (`marks_only`); attn_out
+    tiles each read the last layer's h whole (LM_TICKETS). Down's second column half (`h_part`, where
+    down has `half_tiles`) is read with the h down wrote, by the same stages, so the same primers
+    stand: qkv(L) reads it whole as it reads h. One lane only (`marks_only`); attn_out
     reads marks only where attention's own output is marked (not where it combines the splits, nor in the
     probe `timing_only=4`, where it reads none)."""
     if not sched.grid.marks_only or s.layer is None:
@@ -171,7 +173,8 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              attention_marked=sched.grid.marks_only >= 1 and not att.attr("combine_in_attn_out"),
              qkv_marked=sched.grid.marks_only >= 2, x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
              gemv_tiles=all(s.gemv.tiled for s in sched.gemv_stages()), tile_rows=TILE_ROWS, tile_cols=TILE_COLS,
-             lm_head_pass_rows=next(s.gemv.pass_rows for s in sched.stages if s.kind == "lm_head"))
+             lm_head_pass_rows=next(s.gemv.pass_rows for s in sched.stages if s.kind == "lm_head"),
+             down_half_tiles=next(s.attr("half_tiles") or 0 for s in sched.stages if s.kind == "down"))
     m = dict(w_embed=w["embed"][0], w_final_norm=w["final_norm"][0], w_rope=w["rope"][0],
              w_lanes_base=w["__lanes_base"][0], w_lane_stride=w["__lane_stride"][0], w_total=w["__total"][0],
              w_device_total=w["__device_total"][0],
@@ -187,7 +190,8 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              kv_lane_stride=kv["__lane_stride"][0], kv_total=kv["__total"][0],
              s_abort=sy["abort"][0], s_error=sy["error"][0], s_select=sy["select"][0], s_lm_ticket=sy["lm_ticket"][0],
              s_lane_stride=sy["__lane_stride"][0], s_total=sy["__total"][0],
-             s_h_marked=sy["lane.h_marked"][0], s_act_marked=sy["lane.act_marked"][0])
+             s_h_marked=sy["lane.h_marked"][0], s_act_marked=sy["lane.act_marked"][0],
+             s_h_part=sy["lane.h_part"][0] if "lane.h_part" in sy else 0)
     context = dict(model=sched.model, version=__version__, target=target, grid=sched.grid, c=c, m=m,
                    stages=stages, stage_kinds=[(k, i) for i, k in enumerate(STAGE_KINDS)],
                    group_signals=group_signals or [0], trace_floats=trace_floats, module_name=module_name,

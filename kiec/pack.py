@@ -3,7 +3,8 @@
 The kernel sees every matrix as contiguous rows of `stride` 16-bit elements; a
 Q/K head's rows are reordered so that RoPE's pairs are adjacent (attention only
 takes dot products, so q and k may share any order of their dimensions); gate and
-up rows are interleaved so one tile holds matching pairs. `unpermute_pairs` undoes
+up rows are interleaved so one tile holds matching pairs; a down taken in column halves
+stacks them (the first half's columns of every row, then the second's). `unpermute_pairs` undoes
 the head reordering where a test compares q or k with the reference. A tiled matrix
 (for the matrix units) keeps the same bytes per group of TILE_ROWS rows, reordered into
 TILE_ROWS x TILE_COLS tiles, each row-major, left to right (`tile_rows`, `untile_rows`).
@@ -64,6 +65,9 @@ def _lane_rows(entry: dict, arrays: dict, lane: int) -> np.ndarray:
     if kind == "interleave":
         gate, up = (pick(a) for a in src)
         return np.stack([gate, up], axis=1).reshape(-1, gate.shape[1])
+    if kind == "halves":
+        m = pick(src[0])
+        return np.concatenate([m[:, : m.shape[1] // 2], m[:, m.shape[1] // 2:]])
     return pick(src[0])
 
 

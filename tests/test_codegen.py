@@ -105,6 +105,17 @@ def test_consumer_options_compile(tmp_path, text, target):
         assert "0 bytes spill stores" in report, report
 
 
+def test_down_in_column_halves_compiles(tmp_path):
+    # NVIDIA only (halves need tiled matrices); the Qwen-1.5B shape takes them by default on 132 blocks
+    # (test_generated_kernel_compiles), here they are asked for
+    _need("nvcc")
+    spec = _spec(tmp_path, "tiny-llama").replace(target="cuda:sm_90")
+    _, sched, files, _ = render_sources(spec, options=CompileOptions.parse("down_halves=1"))
+    assert "constexpr uint32_t DOWN_HALF_TILES = 8;" in files["kernel.hip"]
+    assert "    { 0ull, 0, 0, 0 }," not in files["kernel.hip"]           # every layer's prefill has a second half
+    assert "0 bytes spill stores" in check(files, get_target("cuda:sm_90"), tmp_path / "build")
+
+
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_attention_with_and_without_by_head_tiles_compiles(tmp_path, target):
     _need(COMPILERS[target])

@@ -8,7 +8,8 @@
 - shapes with tails (vocab 1001, head_dim 128 and 256, one KV head) against the Python twin;
 - every attention path (a query head a tile, one split, splits and their combine) across one
   context, against the twin;
-- the LM head's tile in passes changes no bit of the logits, nor do slot pairs;
+- the LM head's tile in passes changes no bit of the logits, nor do slot pairs; down in column halves
+  matches the twin stage by stage and the whole-row build within rounding;
 - 500 decode steps twice: bitwise-identical tokens and logits; a timeout is an error, not a hang;
 - compute-sanitizer memcheck and racecheck clean on a small model;
 - lanes on one GPU (each lane its own blocks, weights, KV cache and inbox): exact TP at L = 2, 4, 8
@@ -232,17 +233,18 @@ LM_PASSES = preset("llama-3.2-1b", hidden_size=1024, num_hidden_layers=2, num_at
                    num_key_value_heads=4, intermediate_size=4096)
 
 
-def default_against(tmp_path, cfg: dict, seed: int, variant: str):
-    """A random model built by default and with `variant` (compile options), both teacher-forced over the
-    same 40 fresh tokens from poisoned outputs; each build's launch of many steps must select what its
-    launches of one step select. Returns the builds and the logits, by options text."""
+def default_against(tmp_path, cfg: dict, seed: int, variant: str, base: str = ""):
+    """A random model built by default (or with the options `base`) and with `variant`, both
+    teacher-forced over the same 40 fresh tokens from poisoned outputs; each build's launch of many
+    steps must select what its launches of one step select. Returns the builds and the logits, by
+    options text ("" for the default or `base`)."""
     from kiec.options import CompileOptions
     from kiec.runtime.gpu import CompiledModel, GpuBackend, device_multiprocessors
     spec = load_spec({"weights": str(write_random_model(tmp_path / "m", cfg, seed=seed, dtype="bf16")), "max_seq_len": 256})
     sms = device_multiprocessors()
     with ThreadPoolExecutor(2) as pool:
-        jobs = {v: pool.submit(CompiledModel, spec, sms, tmp_path / f"build{v}", True, options=CompileOptions.parse(v))
-                for v in ("", variant)}
+        jobs = {v: pool.submit(CompiledModel, spec, sms, tmp_path / f"build{v}", True,
+                               options=CompileOptions.parse(v or base)) for v in ("", variant)}
         built = {v: job.result() for v, job in jobs.items()}
     tokens = [int(t) for t in np.random.default_rng().integers(cfg["vocab_size"], size=40)]
     logits = {}
@@ -284,6 +286,35 @@ def test_slot_pairs_change_no_bit(tmp_path, name):
     built, logits = default_against(tmp_path, PAIR_SHAPES[name], 41, "slot_pairs=0")
     assert built[""].sched.grid.slot_pairs and not built["slot_pairs=0"].sched.grid.slot_pairs
     assert np.array_equal(logits[""], logits["slot_pairs=0"])
+
+
+def test_down_in_column_halves_matches_the_twin_and_the_whole_rows(tmp_path):
+    """A Qwen-1.5B-shaped model (2 layers) with down in column halves (the default on 132 blocks): the
+    second half's sums go to their own buffer, which qkv, attn_out's residual and the LM head add. Every
+    stage's trace over the first positions (down's: h with the first half, then the second) and the
+    logits must match the twin's, which sums the same halves in the same order; the logits must match
+    the whole-row build's within rounding, and a launch of many steps select what launches of one do."""
+    from kiec.golden import stage_diffs
+    from kiec.pack import pack_weights
+    from kiec.reference.twin import Twin
+    from kiec.runtime.gpu import GpuBackend
+    from kiec.weights import load_checkpoint, materialize
+    cfg = PAIR_SHAPES["qwen-1.5b-rows"]
+    built, logits = default_against(tmp_path, cfg, 43, "down_halves=0", base="down_halves=1")
+    assert all(s.attr("half_tiles") for s in built[""].sched.stages if s.kind == "down")
+    assert not any(s.attr("half_tiles") for s in built["down_halves=0"].sched.stages if s.kind == "down")
+    errs, agree = logit_errors(logits[""], logits["down_halves=0"])
+    assert errs.max() <= 1e-2 and agree >= 0.95, (errs.max(), agree)
+    spec = load_spec({"weights": str(tmp_path / "m"), "max_seq_len": 256})
+    compiled = built[""]
+    blob = pack_weights(compiled.sched, {t.name: materialize(load_checkpoint(spec), t) for t in compiled.graph.weights()},
+                        spec.config, spec.max_seq_len, spec.dtype)
+    twin = Twin(compiled.sched, blob, spec.config, spec.max_seq_len, spec.dtype)
+    backend = GpuBackend(spec, compiled=compiled, quiet=True)
+    backend.poison()
+    for pos, token in enumerate(np.random.default_rng().integers(cfg["vocab_size"], size=4)):
+        diffs = stage_diffs(backend, twin, int(token), pos)
+        assert all(err < 1e-2 for _, err in diffs), diffs
 
 
 @pytest.mark.parametrize("lanes", LANE_COUNTS[1:])
@@ -415,7 +446,8 @@ def sequence_launch_selects_what_step_launches_select(backend):
 # the tiny Llama; rows of 48 tiles, whose full slots a warp takes in pairs (the tiny ones never fill a slot)
 SANITIZED = {"tiny": [], "pairs": ["--preset", "tiny-qwen2", "--set", "hidden_size=1536,num_attention_heads=12,"
                                                                        "intermediate_size=2240,num_hidden_layers=1"],
-             "stream-cap": ["--options", "copies_in_flight=2,stream_copies_in_flight=3"]}   # the consumers' hint
+             "stream-cap": ["--options", "copies_in_flight=2,stream_copies_in_flight=3"],   # the consumers' hint
+             "down-halves": ["--options", "down_halves=1"]}
 
 
 @pytest.mark.parametrize("shape", list(SANITIZED))

@@ -32,8 +32,20 @@ def test_a_llama_gets_a_plan_over_the_decode_blob(tmp_path):
             assert layer[key] == dict(offset=g.offset, rows=g.rows, cols=g.cols, stride=g.stride)
         assert layer["attn_norm"] == w["__lanes_base"][0] + w[f"lane.layers.{layer['layer']}.attn_norm"][0]
         assert layer["bias"] == w["__lanes_base"][0] + w[f"lane.layers.{layer['layer']}.qkv_bias"][0]   # qwen2
-        assert layer["gate_up"]["rows"] == 2 * layer["down"]["cols"]
+        assert layer["gate_up"]["rows"] == 2 * layer["down"]["cols"] == 2 * layer["ffn"] and layer["down_second"] is None
     assert "  prefill chunk=320 key_tile=64" in sched.dump()
+
+
+def test_down_in_column_halves_is_two_gemms_over_the_activation_s_halves(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(preset("tiny-llama")))
+    spec = load_spec({"weights": str(tmp_path), "max_seq_len": 256})
+    sched = build_schedule(spec, options=CompileOptions.parse("down_halves=1"))[1]
+    hidden = sched.config["hidden"]
+    for layer in sched.prefill["layers"]:
+        g = next(s.gemv for s in sched.stages if s.kind == "down" and s.layer == layer["layer"])
+        assert g.rows == 2 * hidden and layer["ffn"] == 2 * g.cols == 128
+        assert layer["down"] == dict(offset=g.offset, rows=hidden, cols=g.cols, stride=g.stride)
+        assert layer["down_second"] == dict(offset=g.offset + hidden * g.stride * 2, rows=hidden, cols=g.cols, stride=g.stride)
 
 
 def test_the_chunk_option_and_its_errors(tmp_path):

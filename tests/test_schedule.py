@@ -231,15 +231,17 @@ def test_the_streams_copy_cap_is_the_layers_unless_asked(models):
 
 
 
-@pytest.mark.parametrize("name,passes", (("llama-3.2-1b", 2), ("qwen2.5-1.5b", 1)))
-def test_the_lm_head_goes_in_passes_only_where_the_ring_gains_a_slot(tmp_path, name, passes):
-    """Llama-1B's LM head partials (976 rows x 8 warps) alone keep a twelfth slot out; Qwen-1.5B's down
-    needs as much scratch as its LM head would in passes, so its tile stays whole."""
+@pytest.mark.parametrize("name,base,passes", (("llama-3.2-1b", "", 2), ("qwen2.5-1.5b", "", 2),
+                                              ("qwen2.5-1.5b", "down_halves=0,", 1)))
+def test_the_lm_head_goes_in_passes_only_where_the_ring_gains_a_slot(tmp_path, name, base, passes):
+    """Llama-1B's LM head partials (976 rows x 8 warps) alone keep a twelfth slot out, and so do
+    Qwen-1.5B's once its down takes its columns in halves; with down whole, Qwen-1.5B's down needs as
+    much scratch as its LM head would in passes, so its tile stays whole."""
     (tmp_path / "config.json").write_text(json.dumps(preset(name)))
     spec = load_spec({"weights": str(tmp_path), "max_seq_len": 1024}).replace(target="cuda:sm_90")
     built = {}
     for text in ("", "lm_head_passes=1", "max_slots=11", "slot_groups=2", "slot_groups=2,lm_head_passes=1"):
-        _, sched = build_schedule(spec, options=CompileOptions.parse(text))
+        _, sched = build_schedule(spec, options=CompileOptions.parse(base + text))
         built[text] = sched.grid.slots, next(s.gemv for s in sched.stages if s.kind == "lm_head"), sched.grid.slot_bytes
     (slots, lm, slot_bytes), (whole_slots, whole, _) = built[""], built["lm_head_passes=1"]
     assert whole.pass_rows == whole.rows_per_tile and lm.pass_rows % TILE_ROWS == 0
@@ -604,6 +606,54 @@ def _twin_vs_reference(spec, positions, blocks=None, options=None):
 def test_twin_follows_the_reference(models, name):
     # bf16 checkpoints: the blob holds the same weights, the twin differs by its bf16 KV cache only
     assert _twin_vs_reference(spec_of(models[name]), 40) < TWIN_TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
+def test_twin_follows_the_reference_with_down_in_column_halves(models, name):
+    spec = spec_of(models[name])
+    options = CompileOptions.parse("down_halves=1")
+    _, sched = build_schedule(spec, options=options)
+    assert all(s.attr("half_tiles") for s in sched.stages if s.kind == "down")
+    assert _twin_vs_reference(spec, 20, options=options) < TWIN_TOLERANCE
+
+
+def _down(tmp_path, name, text="", **spec):
+    folder = tmp_path / f"{name}-{text}-{len(spec)}"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(preset(name)))
+    _, sched = build_schedule(load_spec({"weights": str(folder), "max_seq_len": 512, **spec}), 132,
+                              options=CompileOptions.parse(text))
+    return sched, [s for s in sched.stages if s.kind == "down"]
+
+
+def test_down_takes_its_columns_in_halves_where_its_largest_tile_shrinks(tmp_path):
+    # Qwen-1.5B: 192 row groups on 132 blocks make 96 tiles of 2 groups (280 KiB); halves, 128 of 3 (210 KiB)
+    sched, downs = _down(tmp_path, "qwen2.5-1.5b")
+    whole_sched, whole = _down(tmp_path, "qwen2.5-1.5b", "down_halves=0")
+    hidden, ffn = sched.config["hidden"], 8960
+    for d, w in zip(downs, whole):
+        assert (d.gemv.rows, d.gemv.cols, d.tiles, d.attr("half_tiles"), d.gemv.rows_per_tile) == (2 * hidden, ffn // 2, 128, 64, 24)
+        assert (w.tiles, w.attr("half_tiles"), w.gemv.rows_per_tile) == (96, None, 16)
+        assert d.gemv.rows_per_tile * d.gemv.stride < w.gemv.rows_per_tile * w.gemv.stride
+    assert "lane.h_part" in sched.memory["sync"] and "lane.h_part" not in whole_sched.memory["sync"]
+    assert {e["kind"] for e in sched.packing if e["name"].endswith(".down")} == {"halves"}
+    assert sched.grid.slots == whole_sched.grid.slots + 1          # down's x halved: a twelfth slot
+    # Llama-1B's 256 groups make 128 tiles of 2 either way: its down stays whole unless asked
+    sched, downs = _down(tmp_path, "llama-3.2-1b")
+    assert not any(d.attr("half_tiles") for d in downs) and "lane.h_part" not in sched.memory["sync"]
+    assert all((d.attr("half_tiles"), d.tiles) == (64, 128) for d in _down(tmp_path, "llama-3.2-1b", "down_halves=1")[1])
+
+
+def test_down_halves_name_what_they_need(tmp_path):
+    with pytest.raises(KiecError, match="down_halves: got 1; expected 0 here: halves need a hidden size in groups of 8"):
+        _down(tmp_path, "tiny-qwen2", "down_halves=1")                  # 160 columns: not two halves of 32-column tiles
+    with pytest.raises(KiecError, match="halves need one lane"):
+        _down(tmp_path, "tiny-llama", "down_halves=1", lanes=2)
+    with pytest.raises(KiecError, match="halves need tiled matrices"):
+        _down(tmp_path, "tiny-llama", "down_halves=1,gemv_tiles=0")
+    assert not any(d.attr("half_tiles") for d in _down(tmp_path, "tiny-llama", lanes=2)[1])
+    with pytest.raises(KiecError, match="down_halves"):
+        CompileOptions.parse("down_halves=2")
 
 
 @pytest.mark.parametrize("splits,batch", [(1, 32), (3, 32), (16, 32), (16, 64), (5, 8)])

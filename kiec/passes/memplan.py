@@ -6,7 +6,7 @@ Guarantees four regions, each a dict name -> (offset, bytes), 256-byte aligned:
   norm, RoPE table), then one region per lane (`lane_stride` bytes apart) with, per
   layer, the norms (fp32), the packed Q/K/V matrix (Q and K rows of each head reordered
   so RoPE pairs are adjacent), its bias (fp32), O, the gate/up matrix interleaved by row
-  (gate j, up j, ...) and down. Matrices are bf16/fp16 rows padded to `stride` elements,
+  (gate j, up j, ...) and down (its column halves stacked where it has `half_tiles`). Matrices are bf16/fp16 rows padded to `stride` elements,
   tiled (`Gemv.tiled`: groups of 8 rows, each group 32-column tiles of 8 x 32) where the
   schedule says so; the embedding stays rows (a step reads one), so a tied LM head gets a
   tiled copy of its own.
@@ -16,7 +16,9 @@ Guarantees four regions, each a dict name -> (offset, bytes), 256-byte aligned:
 - `kv`: the KV cache per lane, [layer][kv head][position][head_dim], 16-bit.
 - `sync`: counters and flags, each on its own 128-byte line; shared ones first. Each lane's part
   also holds `h_marked` and `act_marked`: the residual and the FFN activation, fp32 values whose
-  lowest bit marks the write that stored them, which readers check instead of a fenced counter;
+  lowest bit marks the write that stored them, which readers check instead of a fenced counter
+  (where down takes its columns in halves, `h_part` too: the second half's sums, which every
+  reader of the h down wrote adds);
   and attention's output (`attn`), its queries (`q`) and this step's K and V rows (`kv_new`, each
   16-bit value above its mark), marked too where the grid reads marks alone (`marks_only`).
 With several lanes, each lane also has an `inbox` (acts) of `exchange_slots` x 2 sublayers x
@@ -93,7 +95,7 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
         name = p + s.kind
         offset = lane.add(name, s.gemv.bytes)
         stages[s.index] = dataclasses.replace(s, gemv=dataclasses.replace(s.gemv, offset=offset))
-        kind = {"qkv": "qkv", "gate_up": "interleave"}.get(s.kind, "matrix")
+        kind = {"qkv": "qkv", "gate_up": "interleave"}.get(s.kind, "halves" if s.attr("half_tiles") else "matrix")
         packing.append(dict(name=name, kind=kind, sources=list(s.attr("weights")), rows=s.gemv.rows,
                             stride=s.gemv.stride, lane=True, head_dim=hd, pairs=s.attr("pairs"),
                             tiled=s.gemv.tiled))
@@ -157,6 +159,8 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     # the mark, so these live where the counters do and are cleared with them (a cleared value never passes)
     lane_sync.add("h_marked", 4 * cfg.hidden)
     lane_sync.add("act_marked", 4 * max(s.attr("ffn") for s in stages if s.kind == "gate_up"))
+    if any(s.attr("half_tiles") for s in stages):       # down's second column half, marked: h's readers add it
+        lane_sync.add("h_part", 4 * cfg.hidden)
     lane_sync.add("attn", 4 * att.attr("heads") * hd)
     lane_sync.add("q", 4 * att.attr("heads") * hd)
     lane_sync.add("kv_new", 4 * 2 * att.attr("kv_heads") * hd)      # this step's K and V rows, 16 bits above the mark

@@ -9,7 +9,9 @@ decode kernel then takes the prompt token by token), or a dict the templates ren
 - `gemm`: the GEMM block (warps_m x warps_n warps of units_m x units_n 16x16 tiles, k per slice,
   slices in flight), whose shared memory fits the target;
 - `layers`: per layer the absolute byte offsets of its norms, packed matrices and bias in the
-  weight blob, each matrix's rows, cols and row stride, q/kv rows and the attention window.
+  weight blob, each matrix's rows, cols and row stride, q/kv rows and the attention window; where
+  down takes its columns in halves, `down` is the first half's matrix and `down_second` the second's
+  (else None), each a GEMM over its half of the `ffn`-wide activation.
 Every matrix the GEMMs read has cols and stride in multiples of 8 elements (16-byte loads), and
 the rows of the matrices are exactly the decode kernel's (RoPE pairs adjacent, gate/up interleaved;
 tiled where the decode kernel's are, which the GEMMs' loads follow: weight_at).
@@ -63,12 +65,17 @@ def prefill(sched: Schedule, target: Target, chunk: int | None = None) -> Schedu
         def matrix(s):
             return dict(offset=s.gemv.offset, rows=s.gemv.rows, cols=s.gemv.cols, stride=s.gemv.stride)
 
+        down, down_second = matrix(stages["down"]), None
+        if stages["down"].attr("half_tiles"):       # the column halves stacked: a GEMM each, over its half of act
+            down = dict(down, rows=down["rows"] // 2)
+            down_second = dict(down, offset=down["offset"] + down["rows"] * down["stride"] * 2)
+
         layers.append(dict(
             layer=layer,
             attn_norm=base + w[prefix + "attn_norm"][0], attn_eps=float(qkv.attr("eps")),
             ffn_norm=base + w[prefix + "ffn_norm"][0], ffn_eps=float(stages["gate_up"].attr("eps")),
             qkv=matrix(qkv), o=matrix(stages["attn_out"]), gate_up=matrix(stages["gate_up"]),
-            down=matrix(stages["down"]),
+            down=down, down_second=down_second, ffn=stages["gate_up"].gemv.rows // 2,
             bias=base + w[prefix + "qkv_bias"][0] if qkv.attr("bias") else None,
             q_rows=qkv.attr("q_rows"), kv_rows=qkv.attr("kv_rows"), window=att.attr("window") or 0))
     plan = dict(chunk=chunk, key_tile=key_tile(cfg["head_dim"], target.smem_bytes), gemm=gemm_block(target), layers=layers)

@@ -9,7 +9,10 @@ Guarantees:
 - a GEMV stage's rows are cut into contiguous tiles of `rows_per_tile` rows (even
   where rows come in pairs: RoPE pairs, gate/up pairs; a multiple of TILE_ROWS where the
   matrices are tiled), at most one tile per block of the lane, so a stage finishes in one
-  pass over the grid;
+  pass over the grid; a tiled `down` on one lane may take its columns in two halves
+  (`down_halves`, where that makes the largest tile smaller): its matrix is then the halves
+  stacked, 2 x hidden rows of intermediate / 2 columns, `half_tiles` tiles a half, no tile
+  crossing from one half to the other;
 - every GEMV matrix is tiled for the matrix units, or none is: the target's choice
   (`Target.gemv_tiles`) for bf16 weights, rows for fp16, unless `gemv_tiles` overrides it; tiles need a target that has
   them; a tiled row has at least one tile per consumer warp, and a slot whole tiles for each
@@ -115,7 +118,16 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                             f"leaving the consumers at least as many")
     stages = []
     for s in sched.stages:
-        if s.gemv is not None:
+        halves = _down_halves(s, per_lane, warps, tiled, lanes, options) if s.kind == "down" else None
+        if halves is not None:
+            rows_per_tile, half_tiles = halves
+            cut = gemv_tiled(2 * s.gemv.rows, s.gemv.cols // 2, warps)
+            gemv = dataclasses.replace(s.gemv, rows=cut.rows, cols=cut.cols, segments=cut.segments,
+                                       seg_width=cut.seg_width, rows_per_tile=rows_per_tile, pass_rows=rows_per_tile,
+                                       tiled=True)
+            stages.append(dataclasses.replace(s, gemv=gemv, tiles=2 * half_tiles,
+                                              attrs=tuple(sorted(dict(s.attrs, half_tiles=half_tiles).items()))))
+        elif s.gemv is not None:
             row_multiple = TILE_ROWS if tiled else 2 if s.kind in ("qkv", "gate_up") else 1
             grid_blocks = blocks if s.kind == "lm_head" else per_lane
             rows_per_tile = -(-s.gemv.rows // grid_blocks)
@@ -253,6 +265,35 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 else bool(options.ring_evict_first),
                 marks_only=marks_only, kv_store_late=bool(options.kv_store_late))
     return dataclasses.replace(sched, stages=stages, grid=grid)
+
+
+def _down_halves(s: Stage, per_lane: int, warps: int, tiled: bool, lanes: int, options: CompileOptions):
+    """(rows per tile, tiles per half) where down's columns go in two halves, else None. Rows are cut
+    into groups of TILE_ROWS, so a hidden size of few groups for the grid leaves some blocks without a
+    down tile and the others with a group more than the mean (Qwen-1.5B: 192 groups on 132 blocks, 96
+    tiles of 2 groups, 287 KB each against 208 KB a block). Halves make twice the groups at half the
+    bytes (128 tiles of 3 half groups, 215 KB): where that makes the largest tile smaller (`down_halves`
+    None), or where asked (1). The second half's sums go to their own buffer, which h's readers add."""
+    g = s.gemv
+    why = None
+    if not tiled:
+        why = "tiled matrices (gemv_tiles)"
+    elif lanes > 1:
+        why = "one lane (a lane's residual goes to its peers whole)"
+    elif g.rows % TILE_ROWS or g.cols % (2 * TILE_COLS):
+        why = f"a hidden size in groups of {TILE_ROWS} rows and an intermediate size in pairs of {TILE_COLS}-column tiles"
+    if options.down_halves == 0 or (why and options.down_halves is None):
+        return None
+    whole = -(-g.rows // per_lane)
+    whole = -(-whole // TILE_ROWS) * TILE_ROWS
+    rows_per_tile = -(-(-(-2 * g.rows // per_lane)) // TILE_ROWS) * TILE_ROWS
+    half_tiles = -(-g.rows // rows_per_tile)
+    if not why and 2 * half_tiles > per_lane:
+        why = f"two halves' tiles ({2 * half_tiles}) within the lane's {per_lane} blocks"
+    if why:
+        raise KiecError("down_halves", options.down_halves, f"0 here: halves need {why}")
+    smaller = rows_per_tile * gemv_tiled(g.rows, g.cols // 2, warps).stride < whole * gemv_tiled(g.rows, g.cols, warps).stride
+    return (rows_per_tile, half_tiles) if smaller or options.down_halves else None
 
 
 def _copies_in_flight(target: Target, slot_bytes: int, block_bandwidth: float | None) -> int:

@@ -2,8 +2,9 @@
 
 It reads the packed weight blob through memplan's offsets and strides, keeps q and k
 in the packed (pair-adjacent) order, stores K/V in 16-bit in the kernel's cache layout,
-splits attention as the kernel does at each context and combines them, interleaves gate/up — so a
-wrong offset, permutation or split shows up here, on the CPU, against the graph
+splits attention as the kernel does at each context and combines them, interleaves gate/up, takes
+down in column halves where the schedule does (its trace then holds h plus the first half's sums, then
+the second's) — so a wrong offset, permutation or split shows up here, on the CPU, against the graph
 interpreter. On the GPU its per-stage trace is what the kernel's trace is diffed with.
 """
 from __future__ import annotations
@@ -89,6 +90,11 @@ class Twin:
                 for l in range(L):
                     attn[l] = self._attention(st, l, q[l], pos)
                 trace[st.index] = np.stack(attn)
+            elif st.attr("half_tiles"):     # down in column halves (one lane): h + the first, then the second apart
+                w, half, d = self.matrix(st, 0), st.gemv.cols, cfg.hidden
+                first, second = h[0] + w[:d] @ act[0][:half], w[d:] @ act[0][half:]
+                trace[st.index] = np.concatenate([first, second])[None]
+                h = (first + second)[None]
             elif st.kind in ("attn_out", "down"):
                 inputs = attn if st.kind == "attn_out" else act
                 parts = np.stack([self.matrix(st, l) @ inputs[l] for l in range(L)])
