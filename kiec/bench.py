@@ -57,8 +57,12 @@ class BenchOptions:
     fit_prompts: bool = False   # the default prompts, the same
     kernel_options: str = ""    # compile options of kiec's own build (kiec compile --options), e.g. stream_copies_in_flight=4
 
+    @property
+    def compile_options(self) -> CompileOptions:
+        return CompileOptions.parse(self.kernel_options)
+
     def __post_init__(self):
-        CompileOptions.parse(self.kernel_options)       # a bad knob is named before any work
+        self.compile_options                            # a bad knob is named before any work
         if self.kernel_options and self.lanes:
             raise KiecError("--options", self.kernel_options, "unset with --lanes (the lanes' builds take the defaults)")
         if not self.contexts or any(not is_int(c) or c <= 0 for c in self.contexts):
@@ -248,7 +252,7 @@ def run_bench(model: BenchModel, options: BenchOptions, log=lambda message: None
     log("weights")
     checkpoint = model.checkpoint()
     log("kiec: build and upload")
-    backend = GpuBackend(spec, checkpoint=checkpoint, quiet=True, options=CompileOptions.parse(options.kernel_options))
+    backend = GpuBackend(spec, checkpoint=checkpoint, quiet=True, options=options.compile_options)
     rng = np.random.default_rng(options.seed)
     for context in options.contexts:
         log(f"kiec at context {context}")

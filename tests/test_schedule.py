@@ -231,7 +231,6 @@ def test_the_streams_copy_cap_is_twice_the_layers_unless_asked(models):
         CompileOptions.parse("stream_copies_in_flight=65")
 
 
-
 @pytest.mark.parametrize("name,base,passes", (("llama-3.2-1b", "", 2), ("qwen2.5-1.5b", "", 2),
                                               ("qwen2.5-1.5b", "down_halves=0,", 1)))
 def test_the_lm_head_goes_in_passes_only_where_the_ring_gains_a_slot(tmp_path, name, base, passes):
@@ -254,6 +253,7 @@ def test_the_lm_head_goes_in_passes_only_where_the_ring_gains_a_slot(tmp_path, n
     assert grouped % 2 == 0 and (grouped > grouped_whole) == (grouped_lm.pass_rows < grouped_lm.rows_per_tile)
     with pytest.raises(KiecError, match="lm_head_passes"):
         CompileOptions.parse("lm_head_passes=2")
+
 
 def test_marks_alone_are_read_on_one_lane_by_default(models):
     spec = spec_of(models["tiny-llama"])
@@ -457,7 +457,6 @@ def test_consumer_options_reach_the_grid_and_bad_values_are_named(models):
         CompileOptions.parse("slot_pairs=x")
     with pytest.raises(KiecError, match=r"option slot_pairs: .*slot_pairs given once"):
         CompileOptions.parse("slot_pairs=0,slot_pairs=1")
-
 
 
 @pytest.mark.parametrize("target,text,tiled", [("cuda:sm_90", "", True), ("cuda:sm_90", "gemv_tiles=0", False),
