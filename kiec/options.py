@@ -18,6 +18,7 @@ class CompileOptions:
     gemv_tiles: int | None = None       # 1: decode GEMVs on the matrix units, 0: FMAs over rows (None: the target's, for bf16)
     slot_groups: int | None = None      # consumer warp groups taking turns at the ring's slots (None: 1; tiled only)
     tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 4; tiled only)
+    contiguous_units: int | None = None  # 1: a consumer warp takes a run of units of a slot, not every warps-th one (None: where a row of tiles is not whole slots, tiled, one slot group)
     slot_pairs: int | None = None       # 1: a warp takes two full slots in one go where both are in (None: where it can; 0: one at a time)
     copies_in_flight: int | None = None  # a block's weight copies in flight in the layers at most (None: the target's; 0: no cap)
     stream_copies_in_flight: int | None = None  # the same while the block's consumers stream a gate_up or down tile (None: twice copies_in_flight; 0: no cap)
@@ -60,6 +61,8 @@ class CompileOptions:
             raise KiecError("slot_groups", self.slot_groups, "1 or 2")
         if self.tile_accumulators is not None and self.tile_accumulators not in (1, 2, 4):
             raise KiecError("tile_accumulators", self.tile_accumulators, "1, 2 or 4")
+        if self.contiguous_units not in (None, 0, 1):
+            raise KiecError("contiguous_units", self.contiguous_units, "0 (a warp takes every warps-th unit of a slot) or 1 (a run of them)")
         if self.slot_pairs not in (None, 0, 1):
             raise KiecError("slot_pairs", self.slot_pairs, "0 (a slot at a time) or 1 (two full slots in one go)")
         if self.copies_in_flight is not None and not 0 <= self.copies_in_flight <= 64:

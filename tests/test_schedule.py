@@ -255,6 +255,23 @@ def test_the_lm_head_goes_in_passes_only_where_the_ring_gains_a_slot(tmp_path, n
         CompileOptions.parse("lm_head_passes=2")
 
 
+def test_warps_take_runs_of_units_where_rows_are_not_whole_slots(tmp_path):
+    """A warp takes a run of a slot's units where some row of tiles is not whole slots (Qwen-1.5B's 48
+    tiles against 32 a slot: every other slot would cross a row group in every warp's strided share);
+    Llama-1B's rows (64 and 256 tiles) are whole slots and keep the strided share."""
+    qwen, _ = _down(tmp_path, "qwen2.5-1.5b")
+    llama, _ = _down(tmp_path, "llama-3.2-1b")
+    assert qwen.grid.contiguous_units and not llama.grid.contiguous_units
+    assert not _down(tmp_path, "qwen2.5-1.5b", "contiguous_units=0")[0].grid.contiguous_units
+    assert _down(tmp_path, "llama-3.2-1b", "contiguous_units=1")[0].grid.contiguous_units
+    assert not _down(tmp_path, "qwen2.5-1.5b", "slot_groups=2")[0].grid.contiguous_units
+    for text, why in (("contiguous_units=1,slot_groups=2", "2 groups"), ("contiguous_units=1,gemv_tiles=0", "not tiled")):
+        with pytest.raises(KiecError, match=f"contiguous_units: got 1; expected 0 where .*{why}"):
+            _down(tmp_path, "tiny-llama", text)
+    with pytest.raises(KiecError, match="contiguous_units"):
+        CompileOptions.parse("contiguous_units=2")
+
+
 def test_marks_alone_are_read_on_one_lane_by_default(models):
     spec = spec_of(models["tiny-llama"])
     for target in TARGETS:                        # 2 on the H200; 0 where it has not run (gfx942)
