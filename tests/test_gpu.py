@@ -189,11 +189,11 @@ def _newest_row_batches(att, steps: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("paths,taken", (
-    ("attention_by_head=96,by_head_rows=2,split_batches=2,heads_per_pass=2", ("alone", "split", "by head")),
-    ("attention_by_head=160,split_batches=2,heads_per_pass=2", ("split", "by head")),    # by-head batches of 128
-    ("combine_in_attn_out=1,split_batches=2", ("alone", "split"))))
-def test_no_attention_reads_this_steps_row_from_the_cache(tmp_path, paths, taken):
+@pytest.mark.parametrize("paths,taken,by_head_rows", (    # by-head batches of 64, 128 and 128 keys
+    ("attention_by_head=96,by_head_rows=2,split_batches=2,heads_per_pass=2", ("alone", "split", "by head"), 2),
+    ("attention_by_head=160,split_batches=2,heads_per_pass=2", ("split", "by head"), 4),
+    ("combine_in_attn_out=1,split_batches=2", ("alone", "split"), 4)))
+def test_no_attention_reads_this_steps_row_from_the_cache(tmp_path, paths, taken, by_head_rows):
     """A debug build (kv_store_late=1) stores the cache's copy of each step's K and V rows only at the
     step's end, into a cache poisoned with NaN. An attention that read this step's row from the cache
     instead of its marked copy would read NaN every time, not only when a store happened to lag (the
@@ -217,7 +217,7 @@ def test_no_attention_reads_this_steps_row_from_the_cache(tmp_path, paths, taken
         del backend
     att = next(s for s in compiled.sched.stages if s.kind == "attention")
     assert att.attr("batch") == 64 and att.attr("min_split") == 128
-    assert att.attr("by_head_rows") == (2 if "by_head_rows=2" in paths else 4)      # by-head batches of 64 or 128
+    assert att.attr("by_head_rows") == by_head_rows
     assert _newest_row_batches(att, steps) == dict.fromkeys(taken, True)
     assert att.attr("pass_heads") < att.attr("heads") // att.attr("kv_heads") or att.attr("combine_in_attn_out")
     got = logits[",kv_store_late=1"]
