@@ -634,11 +634,11 @@ def test_twin_follows_the_reference_with_down_in_column_halves(models, name):
     assert _twin_vs_reference(spec, 20, options=options) < TWIN_TOLERANCE
 
 
-def _down(tmp_path, name, text="", **spec):
-    folder = tmp_path / f"{name}-{text}-{len(spec)}"
+def _down(tmp_path, name, text="", blocks=132, **spec):
+    folder = tmp_path / f"{name}-{text}-{blocks}-{len(spec)}"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(preset(name)))
-    _, sched = build_schedule(load_spec({"weights": str(folder), "max_seq_len": 512, **spec}), 132,
+    _, sched = build_schedule(load_spec({"weights": str(folder), "max_seq_len": 512, **spec}), blocks,
                               options=CompileOptions.parse(text))
     return sched, [s for s in sched.stages if s.kind == "down"]
 
@@ -669,6 +669,10 @@ def test_down_halves_name_what_they_need(tmp_path):
     with pytest.raises(KiecError, match="halves need tiled matrices"):
         _down(tmp_path, "tiny-llama", "down_halves=1,gemv_tiles=0")
     assert not any(d.attr("half_tiles") for d in _down(tmp_path, "tiny-llama", lanes=2)[1])
+    # 77 blocks: Qwen-1.5B's halves would need 78 tiles; by default down then stays whole
+    assert not any(d.attr("half_tiles") for d in _down(tmp_path, "qwen2.5-1.5b", blocks=77)[1])
+    with pytest.raises(KiecError, match=r"halves need two halves' tiles \(78\) within the lane's 77 blocks"):
+        _down(tmp_path, "qwen2.5-1.5b", "down_halves=1", blocks=77)
     with pytest.raises(KiecError, match="down_halves"):
         CompileOptions.parse("down_halves=2")
 

@@ -261,7 +261,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     copies = (_copies_in_flight(target, slot_bytes, block_bandwidth) if options.copies_in_flight is None
               else options.copies_in_flight)
     # while a block's consumers stream gate_up or down no hop of theirs waits behind the queue: twice the
-    # copies (H100, 2 -> 4: 1.3-1.9% a step for both models in two calls, +0.2% at 8,192; not timed on an H200)
+    # copies (H100, 2 -> 4: 1.3-1.9% a step for both models in two calls, +0.5% at 8,192; not timed on an H200)
     stream_copies = 2 * copies if options.stream_copies_in_flight is None else options.stream_copies_in_flight
     grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
                 slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices,
@@ -288,6 +288,10 @@ def _down_halves(s: Stage, per_lane: int, warps: int, tiled: bool, lanes: int, o
     bytes (128 tiles of 3 half groups, 215 KB): where that makes the largest tile smaller (`down_halves`
     None), or where asked (1). The second half's sums go to their own buffer, which h's readers add."""
     g = s.gemv
+    if options.down_halves == 0:
+        return None
+    rows_per_tile = -(-(-(-2 * g.rows // per_lane)) // TILE_ROWS) * TILE_ROWS
+    half_tiles = -(-g.rows // rows_per_tile)
     why = None
     if not tiled:
         why = "tiled matrices (gemv_tiles)"
@@ -295,16 +299,14 @@ def _down_halves(s: Stage, per_lane: int, warps: int, tiled: bool, lanes: int, o
         why = "one lane (a lane's residual goes to its peers whole)"
     elif g.rows % TILE_ROWS or g.cols % (2 * TILE_COLS):
         why = f"a hidden size in groups of {TILE_ROWS} rows and an intermediate size in pairs of {TILE_COLS}-column tiles"
-    if options.down_halves == 0 or (why and options.down_halves is None):
-        return None
-    whole = -(-g.rows // per_lane)
-    whole = -(-whole // TILE_ROWS) * TILE_ROWS
-    rows_per_tile = -(-(-(-2 * g.rows // per_lane)) // TILE_ROWS) * TILE_ROWS
-    half_tiles = -(-g.rows // rows_per_tile)
-    if not why and 2 * half_tiles > per_lane:
+    elif 2 * half_tiles > per_lane:       # an odd block count can leave each half one tile too many
         why = f"two halves' tiles ({2 * half_tiles}) within the lane's {per_lane} blocks"
+    if why and options.down_halves is None:
+        return None
     if why:
         raise KiecError("down_halves", options.down_halves, f"0 here: halves need {why}")
+    whole = -(-g.rows // per_lane)
+    whole = -(-whole // TILE_ROWS) * TILE_ROWS
     smaller = rows_per_tile * gemv_tiled(g.rows, g.cols // 2, warps).stride < whole * gemv_tiled(g.rows, g.cols, warps).stride
     return (rows_per_tile, half_tiles) if smaller or options.down_halves else None
 
