@@ -128,8 +128,8 @@ def primed_by(sched: Schedule, s) -> int | str:
     acquiring the last step's token, published after every block took the LM head's ticket, whose
     tiles each read the last layer's h whole (LM_TICKETS). Down's second column half (`h_part`, where
     down has `half_tiles`, marked once a layer) is read with the h down wrote, by qkv, attn_out's
-    residual and the LM head. attn_out(L) and the LM head are primed by tiles that read it whole
-    (qkv(L)). qkv(L + 1)'s primer gate_up(L) never reads it, but gate_up(L) read attn_out(L)'s h whole,
+    residual and the LM head (which waits for its counter). attn_out(L) is primed by qkv(L), which read
+    it whole. qkv(L + 1)'s primer gate_up(L) never reads it, but gate_up(L) read attn_out(L)'s h whole,
     and attn_out(L) read h_part(L - 1) row by row before writing it; layer 1 is covered by the token's
     acquire, as layer 0 is (attn_out(0) adds onto the embedding). One lane only (`marks_only`); attn_out
     reads marks only where attention's own output is marked (not where it combines the splits, nor in the
