@@ -129,9 +129,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                                               attrs=tuple(sorted(dict(s.attrs, half_tiles=half_tiles).items()))))
         elif s.gemv is not None:
             row_multiple = TILE_ROWS if tiled else 2 if s.kind in ("qkv", "gate_up") else 1
-            grid_blocks = blocks if s.kind == "lm_head" else per_lane
-            rows_per_tile = -(-s.gemv.rows // grid_blocks)
-            rows_per_tile = -(-rows_per_tile // row_multiple) * row_multiple
+            rows_per_tile = _rows_per_tile(s.gemv.rows, blocks if s.kind == "lm_head" else per_lane, row_multiple)
             tiles = -(-s.gemv.rows // rows_per_tile)
             cut = gemv_tiled(s.gemv.rows, s.gemv.cols, warps) if tiled else gemv_shape(s.gemv.rows, s.gemv.cols, warps)
             gemv = dataclasses.replace(s.gemv, segments=cut.segments, seg_width=cut.seg_width,
@@ -280,6 +278,11 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
 
+def _rows_per_tile(rows: int, blocks: int, multiple: int) -> int:
+    """The rows a GEMV tile takes so that `blocks` tiles cover `rows`: a whole number of `multiple`."""
+    return -(-(-(-rows // blocks)) // multiple) * multiple
+
+
 def _down_halves(s: Stage, per_lane: int, warps: int, tiled: bool, lanes: int, options: CompileOptions):
     """(rows per tile, tiles per half) where down's columns go in two halves, else None. Rows are cut
     into groups of TILE_ROWS, so a hidden size of few groups for the grid leaves some blocks without a
@@ -290,7 +293,7 @@ def _down_halves(s: Stage, per_lane: int, warps: int, tiled: bool, lanes: int, o
     g = s.gemv
     if options.down_halves == 0:
         return None
-    rows_per_tile = -(-(-(-2 * g.rows // per_lane)) // TILE_ROWS) * TILE_ROWS
+    rows_per_tile = _rows_per_tile(2 * g.rows, per_lane, TILE_ROWS)
     half_tiles = -(-g.rows // rows_per_tile)
     why = None
     if not tiled:
@@ -305,8 +308,7 @@ def _down_halves(s: Stage, per_lane: int, warps: int, tiled: bool, lanes: int, o
         return None
     if why:
         raise KiecError("down_halves", options.down_halves, f"0 here: halves need {why}")
-    whole = -(-g.rows // per_lane)
-    whole = -(-whole // TILE_ROWS) * TILE_ROWS
+    whole = _rows_per_tile(g.rows, per_lane, TILE_ROWS)
     smaller = rows_per_tile * gemv_tiled(g.rows, g.cols // 2, warps).stride < whole * gemv_tiled(g.rows, g.cols, warps).stride
     return (rows_per_tile, half_tiles) if smaller or options.down_halves else None
 
