@@ -21,7 +21,7 @@ class CompileOptions:
     contiguous_units: int | None = None  # 1: a consumer warp takes a run of units of a slot, not every warps-th one (None: where a row of tiles is not whole slots, tiled, one slot group)
     slot_pairs: int | None = None       # 1: a warp takes two full slots in one go where both are in (None: where it can; 0: one at a time)
     copies_in_flight: int | None = None  # a block's weight copies in flight in the layers at most (None: the target's; 0: no cap)
-    stream_copies_in_flight: int | None = None  # the same while the block's consumers stream a gate_up or down tile (None: twice copies_in_flight; 0: no cap)
+    stream_copies_in_flight: int | None = None  # the same while the block's consumers stream a gate_up or down tile (None: twice copies_in_flight where that is 2, else the same; 0: no cap)
     lm_head_passes: int | None = None   # 1: the LM head's tile in one pass (None: in as few passes as give the ring another slot where the matrices are tiled)
     producer_registers: int | None = None  # registers a producer thread keeps, the consumers taking the rest (None: the target's)
     ring_evict_first: int | None = None  # 1: the ring's copies carry L2's evict-first hint, 0: the normal policy (None: the target's)

@@ -208,17 +208,20 @@ def test_copies_in_flight_follow_the_device_s_memory_unless_asked(models):
         CompileOptions.parse("copies_in_flight=-1")
 
 
-def test_the_streams_copy_cap_is_twice_the_layers_unless_asked(models):
+def test_the_streams_copy_cap_is_twice_the_layers_where_they_keep_two_unless_asked(models):
     """While the consumers stream gate_up or down a block keeps twice the layers' count of copies in
-    flight (the H100's 2, the H200's 3, the target's where the device is unknown) unless
-    stream_copies_in_flight asks for its own (at most the ring's slots); the kernel gets it, and takes
-    the consumers' streaming hint only where the two differ."""
+    flight where that count is 2 (the H100's), the same elsewhere (the H200's 3, the target's 3 where the
+    device is unknown), unless stream_copies_in_flight asks for its own (at most the ring's slots); the
+    kernel gets it, and takes the consumers' streaming hint only where the two differ."""
     spec = spec_of(models["tiny-llama"])
-    for card, (clock, bus, want) in {"H100 SXM": (2619e6, 5120, 2), "H200": (3201e6, 6144, 3)}.items():
+    for card, (clock, bus, want, streams) in {"H100 SXM": (2619e6, 5120, 2, 4), "H200": (3201e6, 6144, 3, 3)}.items():
         _, sched = build_schedule(spec, 132, block_bandwidth=2 * clock * bus / 8 / 132)
-        assert (sched.grid.copies_in_flight, sched.grid.stream_copies_in_flight) == (want, min(2 * want, sched.grid.slots)), card
+        assert (sched.grid.copies_in_flight, sched.grid.stream_copies_in_flight) == (want, min(streams, sched.grid.slots)), card
+        kernel = render_sources(spec, 132, block_bandwidth=2 * clock * bus / 8 / 132)[2]["kernel.hip"]
+        assert f"constexpr uint32_t STREAM_COPIES_IN_FLIGHT = {min(streams, sched.grid.slots)};" in kernel, card
     default = build_schedule(spec)[1].grid
-    assert default.stream_copies_in_flight == min(2 * TARGETS["cuda:sm_90"].copies_in_flight, default.slots)
+    assert TARGETS["cuda:sm_90"].copies_in_flight == 3
+    assert default.stream_copies_in_flight == default.copies_in_flight == min(3, default.slots)
     block = 2 * 2619e6 * 5120 / 8 / 132
     for value, want in ((3, 3), (0, 0), (64, sched.grid.slots)):
         _, asked = build_schedule(spec, 132, options=CompileOptions.parse(f"stream_copies_in_flight={value}"),

@@ -258,9 +258,8 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     contiguous = (tiled and slot_groups == 1 and crosses) if options.contiguous_units is None else bool(options.contiguous_units)
     copies = (_copies_in_flight(target, slot_bytes, block_bandwidth) if options.copies_in_flight is None
               else options.copies_in_flight)
-    # while a block's consumers stream gate_up or down no hop of theirs waits behind the queue: twice the
-    # copies (H100, 2 -> 4: 1.3-1.9% a step for both models in two calls, +0.5% at 8,192; not timed on an H200)
-    stream_copies = 2 * copies if options.stream_copies_in_flight is None else options.stream_copies_in_flight
+    stream_copies = (_stream_copies_in_flight(copies) if options.stream_copies_in_flight is None
+                     else options.stream_copies_in_flight)
     grid = Grid(blocks=blocks, lanes=lanes, consumer_warps=warps, warp_size=target.warp_size,
                 slot_bytes=slot_bytes, slots=slots, scratch_bytes=scratch, devices=devices,
                 producer_warps=target.producer_warps,
@@ -322,6 +321,15 @@ def _copies_in_flight(target: Target, slot_bytes: int, block_bandwidth: float | 
     if not (target.copy_latency_ns and target.copies_in_flight and block_bandwidth):
         return target.copies_in_flight
     return max(2, round(block_bandwidth * target.copy_latency_ns * 1e-9 / slot_bytes))
+
+
+def _stream_copies_in_flight(copies: int) -> int:
+    """A block's copies in flight while its consumers stream gate_up or down, when no hop of theirs waits
+    behind the queue: twice the layers' count where that is 2 (the H100: 4 made a step 1.3-1.9% faster for
+    both models, 0.5% slower at 8,192), else the same count. On the H200 (3 in the layers) every build with
+    a count of its own while streaming was 12-13% slower a step, whichever the two counts (3 and 4 or 6,
+    2 and 3, 4 and 3: docs/PERF.md, version 39), so there the consumers' hint is left out altogether."""
+    return 2 * copies if copies <= 2 else copies
 
 
 def attention_splits(lo: int, pos: int, splits: int, batch: int, min_length: int,
