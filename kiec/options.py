@@ -17,7 +17,7 @@ class CompileOptions:
     warp_release: int | None = None     # 1: one arrive per consumer warp frees a ring slot (None/0: one per thread)
     gemv_tiles: int | None = None       # 1: decode GEMVs on the matrix units, 0: FMAs over rows (None: the target's, for bf16)
     slot_groups: int | None = None      # consumer warp groups taking turns at the ring's slots (None: 1; tiled only)
-    tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 4; tiled only)
+    tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 2; tiled only)
     contiguous_units: int | None = None  # 1: a consumer warp takes a run of units of a slot, not every warps-th one (None: where a row of tiles is not whole slots, tiled, one slot group)
     slot_pairs: int | None = None       # 1: a warp takes two full slots in one go where both are in (None: where it can; 0: one at a time)
     copies_in_flight: int | None = None  # a block's weight copies in flight in the layers at most (None: the target's; 0: no cap)

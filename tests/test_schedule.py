@@ -519,8 +519,9 @@ def test_tiles_need_a_target_that_has_them(models):
     with pytest.raises(KiecError, match="tile_accumulators"):
         CompileOptions.parse("tile_accumulators=3")
     cuda = spec.replace(target="cuda:sm_90")
-    _, tuned = build_schedule(cuda, options=CompileOptions.parse("tile_accumulators=2"))
-    assert tuned.grid.tile_accumulators == 2
+    assert build_schedule(cuda)[1].grid.tile_accumulators == 2
+    _, tuned = build_schedule(cuda, options=CompileOptions.parse("tile_accumulators=4"))
+    assert tuned.grid.tile_accumulators == 4
     _, sched = build_schedule(cuda, options=CompileOptions.parse("slot_groups=2"))
     assert sched.grid.slot_groups == 2 and sched.grid.slots % 2 == 0     # a slot stays with one group
     with pytest.raises(KiecError, match="slot_bytes"):    # 10 tiles a slot: not whole tiles for 8 warps

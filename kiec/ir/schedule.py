@@ -114,7 +114,7 @@ class Grid:
     timing_only: int = 0            # 1: no weight copies, 2: no consumer arithmetic, 3: no attention scoring,
                                     # 4: attention off the path, 5: a by-head attention tile on half its keys (outputs wrong)
     slot_groups: int = 1            # consumer warp groups taking turns at the ring's slots (tiled matrices)
-    tile_accumulators: int = 4      # independent accumulators a warp's tile products go round (tiled matrices)
+    tile_accumulators: int = 2      # independent accumulators a warp's tile products go round (tiled matrices)
     slot_pairs: bool = False        # a consumer warp takes two full slots in one go where both are in (tiled matrices)
     contiguous_units: bool = False  # a consumer warp takes a run of a slot's units, not every warps-th one (tiled matrices)
     copies_in_flight: int = 0       # a block's weight copies in flight at most (0: as many as free slots)
