@@ -25,6 +25,7 @@ class CompileOptions:
     lm_head_passes: int | None = None   # 1: the LM head's tile in one pass (None: in as few passes as give the ring another slot where the matrices are tiled)
     producer_registers: int | None = None  # registers a producer thread keeps, the consumers taking the rest (None: the target's)
     ring_evict_first: int | None = None  # 1: the ring's copies carry L2's evict-first hint, 0: the normal policy (None: the target's)
+    producer_polls: int | None = None   # 1: the producer tests its ring barriers without try_wait's suspension (None: 0)
     kv_in_flight: int | None = None     # K and V rows an attention lane has in flight: 1, 2, 4 or 8, 2 and up with the next batch's prefetched (None: by query group)
     split_batches: int | None = None    # at least this many key batches an attention split takes (None: 4 where a batch is one pass over the keys, else 1)
     heads_per_pass: int | None = None   # at most this many query heads an attention pass over the keys scores, 1-8 (None: 4)
@@ -76,6 +77,8 @@ class CompileOptions:
             raise KiecError("producer_registers", self.producer_registers, "a multiple of 8 from 24 to 128")
         if self.ring_evict_first not in (None, 0, 1):
             raise KiecError("ring_evict_first", self.ring_evict_first, "0 (the normal L2 policy) or 1 (evict first)")
+        if self.producer_polls not in (None, 0, 1):
+            raise KiecError("producer_polls", self.producer_polls, "0 (try_wait, which may suspend) or 1 (test_wait, at once)")
         if self.kv_in_flight not in (None, 1, 2, 4, 8):
             raise KiecError("kv_in_flight", self.kv_in_flight, "1, 2, 4 or 8 K and V rows a lane has in flight")
         if self.split_batches is not None and not 1 <= self.split_batches <= 64:

@@ -349,6 +349,20 @@ def test_ring_evict_first_comes_from_the_target_unless_asked(models):
         build_schedule(spec.replace(target="hip:gfx942"), options=CompileOptions.parse("ring_evict_first=1"))
 
 
+def test_the_producer_polls_its_barriers_only_when_asked(models):
+    """producer_polls swaps the producer's try_wait (which may suspend) for test_wait in the kernel; the
+    consumers' waits keep try_wait."""
+    spec = spec_of(models["tiny-llama"])
+    assert not build_schedule(spec)[1].grid.producer_polls
+    kernels = {text: render_sources(spec, options=CompileOptions.parse(text))[2]["kernel.hip"]
+               for text in ("", "producer_polls=1")}
+    assert "constexpr bool PRODUCER_POLLS = false;" in kernels[""]
+    assert "constexpr bool PRODUCER_POLLS = true;" in kernels["producer_polls=1"]
+    assert kernels[""].count("wait_ring<PRODUCER_POLLS>(") == 2
+    with pytest.raises(KiecError, match="producer_polls"):
+        CompileOptions.parse("producer_polls=2")
+
+
 def test_consumers_take_at_most_what_the_launch_gave_the_block(models):
     """setmaxnreg moves registers within the launch's allocation (the register file over the threads,
     in steps of 8 a thread): consumers asking for more than the producer gave back wait forever (a

@@ -122,6 +122,7 @@ class Grid:
     producer_registers: int = 0     # registers a producer thread keeps once the roles split (0: no rebalancing)
     consumer_registers: int = 0     # registers a consumer thread takes then (0: no rebalancing)
     ring_evict_first: bool = False  # the ring's copies carry L2's evict-first hint
+    producer_polls: bool = False    # the producer tests its ring barriers without try_wait's suspension
     marks_only: int = 0             # marked inputs read without their counter where a block's earlier tile allows: 1, or 2 with attention's
     kv_store_late: bool = False     # debug: the cache's copy of a step's new K and V rows is stored at the step's end
 

@@ -276,6 +276,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 producer_registers=producer_registers, consumer_registers=consumer_registers,
                 ring_evict_first=target.ring_evict_first if options.ring_evict_first is None
                 else bool(options.ring_evict_first),
+                producer_polls=bool(options.producer_polls),
                 marks_only=marks_only, kv_store_late=bool(options.kv_store_late))
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
