@@ -20,6 +20,7 @@ class CompileOptions:
     tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 2; tiled only)
     contiguous_units: int | None = None  # 1: a consumer warp takes a run of units of a slot, not every warps-th one (None: where a row of tiles is not whole slots, tiled, one slot group)
     slot_pairs: int | None = None       # 1: a warp takes two full slots in one go where both are in (None: where it can; 0: one at a time)
+    steady_pairs: int | None = None     # 1: a tile's full pairs go round a loop of their own where rows are whole shares (None: 0)
     copies_in_flight: int | None = None  # a block's weight copies in flight in the layers at most (None: the target's; 0: no cap)
     stream_copies_in_flight: int | None = None  # the same while the block's consumers stream a gate_up or down tile (None: twice copies_in_flight where that is 2, else the same; 0: no cap)
     lm_head_passes: int | None = None   # 1: the LM head's tile in one pass (None: in as few passes as give the ring another slot where the matrices are tiled)
@@ -64,6 +65,8 @@ class CompileOptions:
             raise KiecError("tile_accumulators", self.tile_accumulators, "1, 2 or 4")
         if self.contiguous_units not in (None, 0, 1):
             raise KiecError("contiguous_units", self.contiguous_units, "0 (a warp takes every warps-th unit of a slot) or 1 (a run of them)")
+        if self.steady_pairs not in (None, 0, 1):
+            raise KiecError("steady_pairs", self.steady_pairs, "0 (one loop for every slot) or 1 (full pairs in a loop of their own)")
         if self.slot_pairs not in (None, 0, 1):
             raise KiecError("slot_pairs", self.slot_pairs, "0 (a slot at a time) or 1 (two full slots in one go)")
         if self.copies_in_flight is not None and not 0 <= self.copies_in_flight <= 64:

@@ -8,7 +8,7 @@
 - shapes with tails (vocab 1001, head_dim 128 and 256, one KV head) against the Python twin;
 - every attention path (a query head a tile, one split, splits and their combine) across one
   context, against the twin;
-- the LM head's tile in passes changes no bit of the logits, nor do slot pairs; down in column halves
+- the LM head's tile in passes changes no bit of the logits, nor do slot pairs, nor steady pairs; down in column halves
   matches the twin stage by stage and the whole-row build within rounding;
 - 500 decode steps twice: bitwise-identical tokens and logits; a timeout is an error, not a hang;
 - compute-sanitizer memcheck and racecheck clean on a small model;
@@ -285,6 +285,17 @@ def test_slot_pairs_change_no_bit(tmp_path, name):
     built, logits = default_against(tmp_path, PAIR_SHAPES[name], 41, "slot_pairs=0")
     assert built[""].sched.grid.slot_pairs and not built["slot_pairs=0"].sched.grid.slot_pairs
     assert np.array_equal(logits[""], logits["slot_pairs=0"])
+
+
+@pytest.mark.parametrize("name", list(PAIR_SHAPES))
+def test_steady_pairs_change_no_bit(tmp_path, name):
+    """Full pairs in a loop of their own (steady_pairs) take the same slots, make the same products in
+    the same order and write the same row groups as the general loop: the logits must be the default's
+    bit for bit. Both shapes' rows are whole shares (32 tiles in strided slots, 48 in runs of 4), so
+    every GEMV stage but the LM head goes round the steady loop."""
+    built, logits = default_against(tmp_path, PAIR_SHAPES[name], 43, "steady_pairs=1")
+    assert built["steady_pairs=1"].sched.grid.steady_pairs and not built[""].sched.grid.steady_pairs
+    assert np.array_equal(logits[""], logits["steady_pairs=1"])
 
 
 def test_down_in_column_halves_matches_the_twin_and_the_whole_rows(tmp_path):

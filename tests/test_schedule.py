@@ -560,6 +560,13 @@ def test_slot_pairs_are_on_where_one_group_reads_at_most_4_tiles_a_warp(models):
             build_schedule(cuda, options=CompileOptions.parse(text))
     with pytest.raises(KiecError, match="slot_pairs"):
         CompileOptions.parse("slot_pairs=2")
+    # full pairs in a loop of their own: only asked for, and only where there are pairs
+    assert build_schedule(cuda, options=CompileOptions.parse("steady_pairs=1"))[1].grid.steady_pairs
+    assert not build_schedule(cuda)[1].grid.steady_pairs
+    with pytest.raises(KiecError, match="steady_pairs: got 1.*slot pairs are off"):
+        build_schedule(cuda, options=CompileOptions.parse("steady_pairs=1,slot_pairs=0"))
+    with pytest.raises(KiecError, match="steady_pairs"):
+        CompileOptions.parse("steady_pairs=2")
 
 
 def test_tiled_order_is_the_kernel_s_and_round_trips():

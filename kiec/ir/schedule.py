@@ -117,6 +117,7 @@ class Grid:
     tile_accumulators: int = 2      # independent accumulators a warp's tile products go round (tiled matrices)
     slot_pairs: bool = False        # a consumer warp takes two full slots in one go where both are in (tiled matrices)
     contiguous_units: bool = False  # a consumer warp takes a run of a slot's units, not every warps-th one (tiled matrices)
+    steady_pairs: bool = False      # a tile's full pairs go round a loop of their own where rows are whole shares
     copies_in_flight: int = 0       # a block's weight copies in flight at most (0: as many as free slots)
     stream_copies_in_flight: int = 0  # the same while its consumers stream a gate_up or down tile
     producer_registers: int = 0     # registers a producer thread keeps once the roles split (0: no rebalancing)

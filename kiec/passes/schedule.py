@@ -249,6 +249,9 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
         raise KiecError("slot_pairs", options.slot_pairs, "0 where the matrices are not tiled, the warps read the slots "
                         f"in {slot_groups} groups or a slot holds more than 4 tiles a warp ({slot_bytes} bytes, "
                         f"{group_warps} warps)")
+    pairs = pairs_fit if options.slot_pairs is None else bool(options.slot_pairs)
+    if options.steady_pairs and not pairs:
+        raise KiecError("steady_pairs", options.steady_pairs, "0 where slot pairs are off")
     if options.contiguous_units and not (tiled and slot_groups == 1):
         raise KiecError("contiguous_units", options.contiguous_units, "0 where the matrices are not tiled or the warps read "
                         f"the slots in {slot_groups} groups")
@@ -269,7 +272,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 reduce_batch=options.reduce_batch or 8, warp_release=bool(options.warp_release),
                 timing_only=options.timing_only or 0, slot_groups=slot_groups,
                 tile_accumulators=options.tile_accumulators or TILE_ACCUMULATORS,
-                slot_pairs=pairs_fit if options.slot_pairs is None else bool(options.slot_pairs),
+                slot_pairs=pairs, steady_pairs=bool(options.steady_pairs),
                 contiguous_units=contiguous,
                 copies_in_flight=min(copies, slots),
                 stream_copies_in_flight=min(stream_copies, slots),
