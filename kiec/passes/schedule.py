@@ -64,8 +64,8 @@ from ..targets import Target
 BARRIER_BYTES = 1024     # mbarriers and block-local flags
 REGISTER_FILE = 65536    # 32-bit registers of a multiprocessor; one block holds them all
 MAX_THREAD_REGISTERS = 240   # what a consumer thread asks for at most
-# accumulators a warp's tile products go round: 2 was 0.5-1.5% faster a step than 4 for both models on
-# an H200 in two calls (a row group's flush adds half as many); 1 not yet timed on Llama-1B (PERF version 39)
+# accumulators a warp's tile products go round: 2 was 0.5-1.1% faster a step than 4 for both models on
+# an H200 (a row group's flush adds half as many); 1 not yet timed on Llama-1B (PERF version 39)
 TILE_ACCUMULATORS = 2
 
 
@@ -334,8 +334,9 @@ def _stream_copies_in_flight(copies: int) -> int:
     """A block's copies in flight while its consumers stream gate_up or down, when no hop of theirs waits
     behind the queue: twice the layers' count where that is 2 (the H100: 4 made a step 1.3-1.9% faster for
     both models, 0.5% slower at 8,192), else the same count. On the H200 (3 in the layers) every build with
-    a count of its own while streaming was 12-13% slower a step, whichever the two counts (3 and 4 or 6,
-    2 and 3, 4 and 3: docs/PERF.md, version 39), so there the consumers' hint is left out altogether."""
+    a count of its own while streaming was slower a step (Llama-1B 14-15%, Qwen-1.5B 8-9%), whichever the
+    two counts (3 and 4 or 6, 2 and 3, 4 and 3: docs/PERF.md, version 39), so there the consumers' hint is
+    left out altogether."""
     return 2 * copies if copies <= 2 else copies
 
 
