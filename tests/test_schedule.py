@@ -363,6 +363,30 @@ def test_the_producer_polls_its_barriers_only_when_asked(models):
         CompileOptions.parse("producer_polls=2")
 
 
+@pytest.mark.parametrize("config", [
+    preset("llama-3.2-1b", hidden_size=1024, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
+           intermediate_size=4096),
+    preset("qwen2.5-1.5b", num_hidden_layers=2, vocab_size=8192)], ids=["llama-lm-passes", "qwen-1.5b-rows"])
+def test_the_steady_pairs_gpu_test_s_shapes_reach_the_steady_loop(tmp_path, config):
+    """test_gpu.py's steady-pairs test compares logits bit for bit; it only means something where tiles go
+    round the steady loop. On 132 multiprocessors every GEMV stage of its shapes but the LM head has rows
+    of whole shares (the kernel's shares_in_groups: at least a slot wide, whole slots when a warp takes
+    every eighth tile, whole runs when it takes a run), and gate_up's and down's tiles are two full slots
+    or more."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _, sched = build_schedule(load_spec({"weights": str(tmp_path), "max_seq_len": 256}), 132,
+                              options=CompileOptions.parse("steady_pairs=1"))
+    grid, slot_units = sched.grid, sched.grid.slot_bytes // TILE_BYTES
+    share = slot_units // grid.consumer_warps if grid.contiguous_units else slot_units
+    for stage in sched.gemv_stages():
+        if stage.kind == "lm_head":
+            continue
+        row_tiles = stage.gemv.stride // TILE_COLS
+        assert row_tiles >= slot_units and row_tiles % share == 0, (stage.name, row_tiles)
+        full_slots = -(-stage.gemv.rows_per_tile // TILE_ROWS) * row_tiles // slot_units
+        assert stage.kind not in ("gate_up", "down") or full_slots >= 2, (stage.name, full_slots)
+
+
 def test_consumers_take_at_most_what_the_launch_gave_the_block(models):
     """setmaxnreg moves registers within the launch's allocation (the register file over the threads,
     in steps of 8 a thread): consumers asking for more than the producer gave back wait forever (a
