@@ -3,7 +3,7 @@
 A consumer warp takes WARP_UNITS of each 32-tile slot: units q, q + 8, ... (strided) or the q-th run of
 them (`contiguous_units`). It places each product in a row group by the unit's column, writes a group's
 partials when it moves past the group (zeros for a group it had no unit in), and takes two full slots in
-one go where each lies in one row group for it (`slot_pairs`). This model follows stage_gemv.j2's
+one go where each lies in one row group for it (`slot_pairs`). This model follows stage_gemv_tiles.j2's
 tiled_units (its short path and its per-unit path), pair_in_groups, tiled_pair and tiled_advance step
 by step, and checks on many row widths (SmolLM2's 18 tiles, Qwen-1.5B's 48 and 140, Llama-1B's 64 and
 256) that every unit is multiplied once, by the x of its own column, into its own row group, and that
