@@ -20,7 +20,7 @@ class CompileOptions:
     tile_accumulators: int | None = None  # accumulators a warp's tile products go round (None: 2; tiled only)
     contiguous_units: int | None = None  # 1: a consumer warp takes a run of units of a slot, not every warps-th one (None: where a row of tiles is not whole slots, tiled, one slot group)
     slot_pairs: int | None = None       # 1: a warp takes two full slots in one go where both are in (None: where it can; 0: one at a time)
-    steady_pairs: int | None = None     # 1: a tile's full pairs go round a loop of their own where rows are whole shares (None: 0)
+    steady_pairs: int | None = None     # 1: a tile's full pairs go round a loop of their own where rows are whole shares (None: where slot pairs are on, one device)
     copies_in_flight: int | None = None  # a block's weight copies in flight in the layers at most (None: the target's; 0: no cap)
     stream_copies_in_flight: int | None = None  # the same while the block's consumers stream a gate_up or down tile (None: twice copies_in_flight where that is 2, else the same; 0: no cap)
     lm_head_passes: int | None = None   # 1: the LM head's tile in one pass (None: in as few passes as give the ring another slot where the matrices are tiled)

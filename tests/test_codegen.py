@@ -84,7 +84,7 @@ OPTION_TEXTS = ["gemv_tiles=0", "gemv_tiles=0,reduce_batch=1", "gemv_tiles=0,red
                 "ring_evict_first=0", "producer_registers=56", "marks_only=0", "marks_only=1",
                 "marks_only=2", "marks_only=2,combine_in_attn_out=1", "kv_in_flight=8", "marks_only=2,kv_store_late=1", "slot_pairs=0",
                 "copies_in_flight=2,stream_copies_in_flight=3", "kv_in_flight=8,by_head_rows=1", "by_head_rows=8",
-                "contiguous_units=0", "contiguous_units=1,slot_pairs=0", "producer_polls=1", "steady_pairs=1"]
+                "contiguous_units=0", "contiguous_units=1,slot_pairs=0", "producer_polls=1", "steady_pairs=0"]
 
 
 def _option_fits(text: str, target) -> bool:

@@ -374,8 +374,8 @@ def test_the_steady_pairs_gpu_test_s_shapes_reach_the_steady_loop(tmp_path, conf
     every eighth tile, whole runs when it takes a run), and gate_up's and down's tiles are two full slots
     or more."""
     (tmp_path / "config.json").write_text(json.dumps(config))
-    _, sched = build_schedule(load_spec({"weights": str(tmp_path), "max_seq_len": 256}), 132,
-                              options=CompileOptions.parse("steady_pairs=1"))
+    _, sched = build_schedule(load_spec({"weights": str(tmp_path), "max_seq_len": 256}), 132)
+    assert sched.grid.steady_pairs
     grid, slot_units = sched.grid, sched.grid.slot_bytes // TILE_BYTES
     share = slot_units // grid.consumer_warps if grid.contiguous_units else slot_units
     for stage in sched.gemv_stages():
@@ -584,9 +584,14 @@ def test_slot_pairs_are_on_where_one_group_reads_at_most_4_tiles_a_warp(models):
             build_schedule(cuda, options=CompileOptions.parse(text))
     with pytest.raises(KiecError, match="slot_pairs"):
         CompileOptions.parse("slot_pairs=2")
-    # full pairs in a loop of their own: only asked for, and only where there are pairs
-    assert build_schedule(cuda, options=CompileOptions.parse("steady_pairs=1"))[1].grid.steady_pairs
-    assert not build_schedule(cuda)[1].grid.steady_pairs
+    # full pairs in a loop of their own: wherever there are pairs, unless turned off
+    assert build_schedule(cuda)[1].grid.steady_pairs
+    assert not build_schedule(cuda, options=CompileOptions.parse("steady_pairs=0"))[1].grid.steady_pairs
+    assert not build_schedule(cuda, options=CompileOptions.parse("slot_pairs=0"))[1].grid.steady_pairs
+    assert not amd.grid.steady_pairs
+    across = spec_of(models["tiny-llama"], target="cuda:sm_90", lanes=2, gpus=2)   # timed on one device only
+    assert build_schedule(across)[1].grid.slot_pairs and not build_schedule(across)[1].grid.steady_pairs
+    assert build_schedule(across, options=CompileOptions.parse("steady_pairs=1"))[1].grid.steady_pairs
     with pytest.raises(KiecError, match="steady_pairs: got 1.*slot pairs are off"):
         build_schedule(cuda, options=CompileOptions.parse("steady_pairs=1,slot_pairs=0"))
     with pytest.raises(KiecError, match="steady_pairs"):
