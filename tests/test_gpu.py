@@ -291,9 +291,10 @@ def test_slot_pairs_change_no_bit(tmp_path, name):
 def test_steady_pairs_change_no_bit(tmp_path, name):
     """Full pairs in a loop of their own (steady_pairs, the default where slot pairs are on) take the same
     slots, make the same products in the same order and write the same row groups as the general loop:
-    the logits must be steady_pairs=0's bit for bit. Both shapes' rows are whole shares (32 tiles in strided slots, 48 in runs of 4), so
-    every GEMV tile but the LM head's with two full slots or more goes round the steady loop (on 132
-    multiprocessors all but the Llama shape's attn_out, one slot a tile)."""
+    the logits must be steady_pairs=0's bit for bit. Both shapes' rows are whole shares (32 tiles in
+    strided slots, 48 in runs of 4), so every GEMV tile but the LM head's with two full slots or more
+    goes round the steady loop (on 132 multiprocessors all but the Llama shape's attn_out, one slot a
+    tile)."""
     built, logits = default_against(tmp_path, PAIR_SHAPES[name], 43, "steady_pairs=0")
     assert built[""].sched.grid.steady_pairs and not built["steady_pairs=0"].sched.grid.steady_pairs
     assert np.array_equal(logits[""], logits["steady_pairs=0"])

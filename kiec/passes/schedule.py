@@ -292,7 +292,8 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
 
 def _rows_per_tile(rows: int, blocks: int, multiple: int) -> int:
     """The rows a GEMV tile takes so that `blocks` tiles cover `rows`: a whole number of `multiple`."""
-    return -(-(-(-rows // blocks)) // multiple) * multiple
+    per_block = -(-rows // blocks)
+    return -(-per_block // multiple) * multiple
 
 
 def _down_halves(s: Stage, per_lane: int, warps: int, tiled: bool, lanes: int, options: CompileOptions):
