@@ -84,8 +84,10 @@ def _stage_entry(sched: Schedule, s, trace: dict, send: bool) -> dict:
         wait = sync[f"lane.done.{prev.index}"][0]
         combined = prev.kind == "attention" and not prev.attr("combine_in_attn_out")
         # a combined output signals once per KV group, or, where short contexts go by head, once per
-        # query head (every path signals its group's heads)
-        wait_count = (prev.attr("heads") if prev.attr("by_head_keys") else prev.attr("kv_heads")) if combined else prev.tiles
+        # query head (every path signals its group's heads), or once per query head's split where those
+        # are split (by_head_splits)
+        wait_count = (prev.attr("heads") * prev.attr("by_head_splits", 1) if prev.attr("by_head_keys")
+                      else prev.attr("kv_heads")) if combined else prev.tiles
     norm = {"qkv": "attn_norm", "gate_up": "ffn_norm"}.get(s.kind)
     groups = tickets = 0
     if s.kind == "qkv":
@@ -133,13 +135,18 @@ def primed_by(sched: Schedule, s) -> int | str:
     and attn_out(L) read h_part(L - 1) row by row before writing it; layer 1 is covered by the token's
     acquire, as layer 0 is (attn_out(0) adds onto the embedding). One lane only (`marks_only`); attn_out
     reads marks only where attention's own output is marked (not where it combines the splits, nor in the
-    probe `timing_only=4`, where it reads none)."""
+    probe `timing_only=4`, where it reads none). The partials of by-head splits (`by_head_splits`) are
+    written in every layer of a step that goes by head and in no other, so the write before a step's
+    first is the last layer's of some earlier step: its mark differs from layer 0's whatever the steps
+    between where the layers are even, and attn_out reads them primed only then."""
     if not sched.grid.marks_only or s.layer is None:
         return "NONE"
     index = {(t.kind, t.layer): t.index for t in sched.stages}
     if s.kind == "qkv":
         return index[("gate_up", s.layer - 1)] if s.layer > 0 else "NONE"     # layer 0 reads the embedding
-    if s.kind == "attn_out" and (sched.stages[s.index - 1].attr("combine_in_attn_out") or sched.grid.timing_only == 4):
+    att = sched.stages[s.index - 1]
+    if s.kind == "attn_out" and (att.attr("combine_in_attn_out") or sched.grid.timing_only == 4 or
+                                 (att.attr("by_head_splits", 1) > 1 and sched.config["layers"] % 2)):
         return "NONE"
     if s.kind in ("attn_out", "gate_up", "down") or (s.kind == "attention" and sched.grid.marks_only >= 2):
         return index[("qkv", s.layer)]
@@ -159,8 +166,11 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
     att = next(s for s in sched.stages if s.kind == "attention")
     # the kernel's attention constants are the first attention stage's: every other must agree where it
     # changes what attn_out counts (_stage_entry reads each stage's own)
-    if any(s.attr("by_head_keys") != att.attr("by_head_keys") for s in sched.stages if s.kind == "attention"):
-        raise KiecError("attention_by_head", att.attr("by_head_keys"), "the same key count in every layer")
+    for name, key in (("attention_by_head", "by_head_keys"), ("by_head_splits", "by_head_splits")):
+        if any(s.attr(key) != att.attr(key) for s in sched.stages if s.kind == "attention"):
+            raise KiecError(name, att.attr(key), "the same in every layer")
+    if att.attr("by_head_splits", 1) > 1 and not (sched.grid.marks_only >= 1 and not att.attr("combine_in_attn_out")):
+        raise KiecError("by_head_splits", att.attr("by_head_splits"), "1 where attention's output is not marked (marks_only 0)")
     # x chunks one lane keeps in registers: enough for the widest segment, at most 4 (32 registers);
     # a stage with wider segments reads x from shared memory instead
     widest = max(s.gemv.seg_width for s in sched.gemv_stages())
@@ -172,7 +182,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              splits=att.attr("splits"), min_split=att.attr("min_split"), attention_rows=att.attr("rows"),
              attention_by_head_rows=att.attr("by_head_rows"), attention_prefetch=att.attr("prefetch"),
              attention_pass_heads=att.attr("pass_heads"), combine_in_attn_out=att.attr("combine_in_attn_out"),
-             attention_by_head_keys=att.attr("by_head_keys", 0),
+             attention_by_head_keys=att.attr("by_head_keys", 0), attention_by_head_splits=att.attr("by_head_splits", 1),
              attention_marked=sched.grid.marks_only >= 1 and not att.attr("combine_in_attn_out"),
              qkv_marked=sched.grid.marks_only >= 2, x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
              gemv_tiles=all(s.gemv.tiled for s in sched.gemv_stages()), tile_rows=TILE_ROWS, tile_cols=TILE_COLS,
@@ -184,6 +194,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              a_h_mirror=a["h_mirror"][0] if "h_mirror" in a else 0,
              s_h_mirror=sy["h_mirror"][0] if "h_mirror" in sy else 0,
              s_q=sy["lane.q"][0], s_kv_new=sy["lane.kv_new"][0], s_attn=sy["lane.attn"][0],
+             s_attn_part=sy["lane.attn_part"][0] if "lane.attn_part" in sy else 0,
              a_part=a["lane.attn_partial"][0], a_lane_stride=a["__lane_stride"][0], a_logits=a["logits"][0],
              a_kv_late=a["lane.kv_late"][0] if "lane.kv_late" in a else 0,
              a_lm_best=a["lm_best"][0], a_total=a["__total"][0],

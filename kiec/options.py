@@ -31,6 +31,7 @@ class CompileOptions:
     split_batches: int | None = None    # at least this many key batches an attention split takes (None: 4 where a batch is one pass over the keys, else 1)
     heads_per_pass: int | None = None   # at most this many query heads an attention pass over the keys scores, 1-8 (None: 4)
     attention_by_head: int | None = None  # N: a context of up to N keys is scored a query head a tile, whole, no combine (None: 512 where it can, without lanes; 0: never)
+    by_head_splits: int | None = None   # a by-head attention tile's context in this many splits over as many blocks, attn_out combining their marked partials (None/1: whole)
     by_head_rows: int | None = None     # K and V rows a lane loads per batch in a by-head attention tile: 1, 2, 4 or 8 (None: 4 where the consumers take the producer's registers and no kv_in_flight is given, else the other tiles' rows)
     combine_in_attn_out: int | None = None  # 1: attn_out's prologue combines attention's splits (no last-split combine; None/0: the last split does)
     down_halves: int | None = None      # 1: down's columns in two halves, each a tile's whole input, the second half's sums kept apart for h's readers to add (None: where it makes the largest tile smaller, one lane, tiled; 0: never)
@@ -90,6 +91,8 @@ class CompileOptions:
             raise KiecError("heads_per_pass", self.heads_per_pass, "1 to 8 query heads a pass over the keys scores")
         if self.by_head_rows not in (None, 1, 2, 4, 8):
             raise KiecError("by_head_rows", self.by_head_rows, "1, 2, 4 or 8 K and V rows a lane of a by-head attention tile loads per batch")
+        if self.by_head_splits is not None and not 1 <= self.by_head_splits <= 16:
+            raise KiecError("by_head_splits", self.by_head_splits, "1 to 16 splits of a by-head attention tile's context")
         if self.attention_by_head is not None and not 0 <= self.attention_by_head <= 65536:
             raise KiecError("attention_by_head", self.attention_by_head, "0 to 65536 keys a query head's tile scores at most")
         if self.combine_in_attn_out not in (None, 0, 1):

@@ -149,6 +149,34 @@ def test_attn_out_waits_for_every_split_tile_where_it_combines_them(tmp_path):
         assert ("constexpr bool COMBINE_IN_ATTN_OUT = true;" in files["kernel.hip"]) == text.startswith("combine")
 
 
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_by_head_splits_publish_partials_that_attn_out_combines(tmp_path, target):
+    """by_head_splits=2: attn_out waits for every query head's splits, its prologue combines the marked
+    partials (their buffer planned), and it reads them primed only where the layers are even (tiny-llama's
+    2; tiny-mistral's 3 leave the write before a step's first of the same mark after a step that went
+    split). Both targets compile it (gfx942 reads no marks alone by default: asked to here), CUDA without
+    spills; a lane without marked outputs refuses it."""
+    from kiec.codegen import _stage_entry, trace_layout
+    _need(COMPILERS[target])
+    text = "by_head_splits=2" + (",marks_only=1" if target == "hip:gfx942" else "")
+    specs = {name: _spec(tmp_path, name).replace(target=target) for name in ("tiny-llama", "tiny-mistral-window-kv1-hd32")}
+    for name, primed in (("tiny-llama", True), ("tiny-mistral-window-kv1-hd32", False)):
+        spec = specs[name]
+        _, sched, files, _ = render_sources(spec, options=CompileOptions.parse(text))
+        trace, _ = trace_layout(sched)
+        att = next(s for s in sched.stages if s.kind == "attention")
+        out = _stage_entry(sched, sched.stages[att.index + 1], trace, False)
+        assert out["wait_count"] == 2 * att.attr("heads")
+        assert (out["primed"] != "NONE") == primed, name
+        assert sched.memory["sync"]["lane.attn_part"][1] == 4 * 2 * att.attr("heads") * (att.attr("head_dim") + 4)
+        assert "constexpr uint32_t BY_HEAD_SPLITS = 2;" in files["kernel.hip"] and "combine_by_head(c, s" in files["kernel.hip"]
+        report = check(files, get_target(target), tmp_path / f"build-{name}")
+        if target == "cuda:sm_90":
+            assert "0 bytes spill stores" in report, report
+    with pytest.raises(KiecError, match="by_head_splits.*marks_only 0"):
+        render_sources(specs["tiny-llama"], options=CompileOptions.parse("by_head_splits=2,marks_only=0"))
+
+
 def test_the_attention_probe_takes_attention_off_the_path(tmp_path):
     """timing_only=4: attn_out is never primed (it reads no marks) and no other stage moves (the kernel
     then has it wait for every KV group's qkv counter, as attention does)."""

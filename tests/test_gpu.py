@@ -146,15 +146,19 @@ def test_tails_and_head_dims_match_the_twin(built, name):
     assert errs.max() <= 1e-2 and agree >= 0.95, (errs.max(), agree)
 
 
-@pytest.mark.parametrize("extra,batch", (("", 64), (",kv_in_flight=8", 128), (",marks_only=1", 64), (",marks_only=2", 64)))
-def test_every_attention_path_matches_the_twin_across_a_context(tmp_path, extra, batch):
+@pytest.mark.parametrize("extra,batch,layers", (("", 64, 4), (",kv_in_flight=8", 128, 4), (",marks_only=1", 64, 4),
+                                                (",marks_only=2", 64, 4), (",by_head_splits=3", 64, 4),
+                                                (",by_head_splits=2", 64, 3)))
+def test_every_attention_path_matches_the_twin_across_a_context(tmp_path, extra, batch, layers):
     """A Llama-1B-shaped model (4 layers) built so that the steps from position 0 take every attention
     path in turn: a query head a tile (up to 32 keys), one split alone (up to a batch), then splits and
-    the last one's combine; with the default rows in flight, with 8 (a batch of 128 keys), and with
-    marked inputs read without their counters. The defaults stay under 512 keys in every other test here."""
+    the last one's combine; with the default rows in flight, with 8 (a batch of 128 keys), with
+    marked inputs read without their counters, and with by-head tiles in splits (3 layers: attn_out then
+    waits for their counter; the second run's by-head steps follow the first's split ones). The defaults
+    stay under 512 keys in every other test here."""
     from kiec.options import CompileOptions
     from kiec.runtime.gpu import CompiledModel, GpuBackend, device_multiprocessors
-    folder = write_random_model(tmp_path / "llama", LANE_LLAMA, seed=23, dtype="bf16")
+    folder = write_random_model(tmp_path / "llama", dict(LANE_LLAMA, num_hidden_layers=layers), seed=23, dtype="bf16")
     spec = load_spec({"weights": str(folder), "max_seq_len": 512})
     options = CompileOptions.parse("attention_by_head=32,split_batches=1" + extra)
     compiled = CompiledModel(spec, device_multiprocessors(), tmp_path / "build", True, options=options)

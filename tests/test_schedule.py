@@ -751,8 +751,46 @@ def test_attention_splits_give_a_context_up_to_by_head_keys_one_split():
     assert attention_splits(0, 512, 64, 64, 64, by_head_keys=512) == (64, 9)           # 513: split again
 
 
+def test_by_head_splits_cut_a_query_heads_context_in_equal_parts():
+    # 129 keys (context 128) in 2 splits of 65 and 64, in 3 of 43; one key in 4 splits is one split used
+    # (the other three tiles run empty); past by_head_keys the splits are the split path's again
+    assert attention_splits(0, 128, 64, 64, 64, by_head_keys=512, by_head_splits=2) == (65, 2)
+    assert attention_splits(0, 128, 64, 64, 64, by_head_keys=512, by_head_splits=3) == (43, 3)
+    assert attention_splits(0, 0, 64, 64, 64, by_head_keys=512, by_head_splits=4) == (1, 1)
+    assert attention_splits(0, 512, 64, 64, 64, by_head_keys=512, by_head_splits=2) == (64, 9)
+    for parts in (2, 3, 5):
+        for lo in (0, 7):
+            for pos in range(lo, lo + 512, 11):
+                length, used = attention_splits(lo, pos, 64, 64, 64, by_head_keys=512, by_head_splits=parts)
+                n = pos + 1 - lo
+                assert 1 <= used <= parts and (used - 1) * length < n <= used * length, (parts, lo, pos)
+                assert length == -(-n // parts)                     # the parts differ by a key at most
+
+
+def test_by_head_splits_give_a_kv_head_a_tile_per_query_head_and_split(models):
+    spec = spec_of(models["tiny-qwen2"])                  # a group of 3
+    group = spec.config.heads // spec.config.kv_heads
+    _, sched = build_schedule(spec, options=CompileOptions.parse("by_head_splits=3"))
+    att = next(s for s in sched.stages if s.kind == "attention")
+    assert att.attr("by_head_splits") == 3 and att.attr("splits") >= 3 * group
+    assert att.tiles == spec.config.kv_heads * att.attr("splits")
+    _, default = build_schedule(spec)
+    assert next(s for s in default.stages if s.kind == "attention").attr("by_head_splits") == 1
+    # more splits than a KV head has tiles for, or splits of a context that never goes by head: refused
+    assert spec.config.kv_heads == 2                     # 12 blocks: 6 tiles a KV head, 2 splits of 3 heads
+    _, two = build_schedule(spec, multiprocessors=12, options=CompileOptions.parse("by_head_splits=2"))
+    assert next(s for s in two.stages if s.kind == "attention").attr("splits") == 6
+    with pytest.raises(KiecError, match="by_head_splits.*at most 2"):
+        build_schedule(spec, multiprocessors=12, options=CompileOptions.parse("by_head_splits=3"))
+    with pytest.raises(KiecError, match="by_head_splits.*attention_by_head 0"):
+        build_schedule(spec, options=CompileOptions.parse("by_head_splits=2,attention_by_head=0"))
+    with pytest.raises(KiecError, match="by_head_splits"):
+        CompileOptions.parse("by_head_splits=17")
+
+
 @pytest.mark.parametrize("name,blocks,text", [("tiny-mistral", None, "split_batches=1"),
                                               ("tiny-mistral-full", None, "split_batches=1"),
+                                              ("tiny-mistral-full", None, "by_head_splits=3"),
                                               ("tiny-mistral-full", 2, "split_batches=1"), ("tiny-mistral-full", None, "")])
 def test_twin_follows_the_reference_past_splits_and_window(models, name, blocks, text):
     # the window (16) moves the splits' start; without it 132 blocks give splits of one batch, 2 blocks

@@ -192,9 +192,16 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
             # a KV head keeps a tile for each query head even where the context needs fewer splits: a
             # model compiled for 160 positions (the bench's Qwen-1.5B row) had 5 splits for a group of 6,
             # lost the by-head path and took 7% longer a step. Splits past the context stay unused.
-            splits = max(splits, group) if by_head_keys else splits
+            # by_head_splits cuts each query head's context in that many splits, a tile each, whose
+            # marked partials attn_out's prologue combines: a KV head then keeps group x splits tiles.
+            by_head_splits = options.by_head_splits or 1
+            if by_head_splits > 1 and not (by_head_keys and group * by_head_splits <= room):
+                raise KiecError("by_head_splits", by_head_splits,
+                                f"1 where no context goes by head (attention_by_head {by_head_keys}), or at most "
+                                f"{room // group} (a KV head's {room} tiles over its {group} query heads)")
+            splits = max(splits, group * by_head_splits) if by_head_keys else splits
             attrs = dict(s.attrs, splits=splits, batch=batch, rows=rows, prefetch=prefetch, by_head_keys=by_head_keys,
-                         by_head_rows=by_head_rows,
+                         by_head_rows=by_head_rows, by_head_splits=by_head_splits,
                          min_split=batch * split_batches,
                          pass_heads=-(-group // passes), combine_in_attn_out=bool(options.combine_in_attn_out))
             stages.append(dataclasses.replace(s, tiles=s.attr("kv_heads") * splits,
@@ -348,11 +355,15 @@ def _stream_copies_in_flight(copies: int) -> int:
 
 
 def attention_splits(lo: int, pos: int, splits: int, batch: int, min_length: int,
-                     by_head_keys: int = 0) -> tuple[int, int]:
+                     by_head_keys: int = 0, by_head_splits: int = 1) -> tuple[int, int]:
     """(split length, splits used) for the keys lo..pos: whole batches, at least `min_length` keys
-    (a multiple of batch), at most `splits` of them; or one split where the context has at most
-    `by_head_keys` keys (scored a query head a tile). The kernel works the same numbers out at every step."""
+    (a multiple of batch), at most `splits` of them; or, where the context has at most `by_head_keys`
+    keys (scored a query head a tile), one split, or `by_head_splits` of equal length (the last shorter,
+    those past the context empty and not counted). The kernel works the same numbers out at every step."""
     n = pos + 1 - lo
+    if n <= by_head_keys and by_head_splits > 1:
+        length = -(-n // by_head_splits)
+        return length, -(-n // length)
     if n <= by_head_keys:
         return -(-n // batch) * batch, 1
     length = max(-(-(-(-n // splits)) // batch) * batch, min_length)

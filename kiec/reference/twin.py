@@ -130,7 +130,7 @@ class Twin:
         group = heads // kv
         lo = max(0, pos - window + 1) if window else 0
         length, used = attention_splits(lo, pos, st.attr("splits"), st.attr("batch"), st.attr("min_split"),
-                                        st.attr("by_head_keys", 0))
+                                        st.attr("by_head_keys", 0), st.attr("by_head_splits", 1))
         out = np.zeros((heads, hd), np.float32)
         scale = 1.0 / np.sqrt(hd)
         for j in range(kv):
