@@ -162,8 +162,6 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
     if any(s.attr("half_tiles") for s in stages):       # down's second column half, marked: h's readers add it
         lane_sync.add("h_part", 4 * cfg.hidden)
     lane_sync.add("attn", 4 * att.attr("heads") * hd)
-    if att.attr("by_head_splits", 1) > 1:     # a by-head split's partial (o, m, l) of each query head, marked
-        lane_sync.add("attn_part", 4 * att.attr("by_head_splits") * att.attr("heads") * (hd + 4))
     lane_sync.add("q", 4 * att.attr("heads") * hd)
     lane_sync.add("kv_new", 4 * 2 * att.attr("kv_heads") * hd)      # this step's K and V rows, 16 bits above the mark
     for s in stages:
@@ -177,6 +175,9 @@ def memplan(sched: Schedule, cfg, max_seq_len: int, dtype: str = "bf16") -> Sche
                 lane_sync.add(f"ticket.{s.index}.{j}", LINE)
     if slots:
         lane_sync.add("peer_flags", LINE * slots * 2 * exchange_tiles)   # [slot][sublayer][tile]
+    # a by-head split's partial (o, m, l) of each query head, marked; last, so that nothing else moves
+    if att.attr("by_head_splits", 1) > 1:
+        lane_sync.add("attn_part", 4 * att.attr("by_head_splits") * att.attr("heads") * (hd + 4))
     sync_map = dict(sync.entries)
     sync_map.update({"lane." + k: (sync.size + o, n) for k, (o, n) in lane_sync.entries.items()})
     sync_map["__lane_stride"] = (lane_sync.size, 0)
