@@ -135,10 +135,11 @@ def primed_by(sched: Schedule, s) -> int | str:
     and attn_out(L) read h_part(L - 1) row by row before writing it; layer 1 is covered by the token's
     acquire, as layer 0 is (attn_out(0) adds onto the embedding). One lane only (`marks_only`); attn_out
     reads marks only where attention's own output is marked (not where it combines the splits, nor in the
-    probe `timing_only=4`, where it reads none). The partials of by-head splits (`by_head_splits`) are
-    written in every layer of a step that goes by head and in no other, so the write before a step's
-    first is the last layer's of some earlier step: its mark differs from layer 0's whatever the steps
-    between where the layers are even, and attn_out reads them primed only then."""
+    probe `timing_only=4`, where it reads none). With by-head splits (`by_head_splits`) their partials
+    are written in every layer of a step that goes by head and attention's output in every layer of the
+    others, so either's write before a step's first can be the last layer's of a step some steps back:
+    its mark differs from layer 0's whatever the steps between where the layers are even, and attn_out
+    reads primed only then."""
     if not sched.grid.marks_only or s.layer is None:
         return "NONE"
     index = {(t.kind, t.layer): t.index for t in sched.stages}
