@@ -2,6 +2,7 @@
 
     python -m kiec.devcheck --out DIR [--models tiny-llama,llama-3.2-1b,...] [--bench]
                             [--variants "slot_bytes=32768;max_slots=6" --variant-model llama-3.2-1b]
+                            [--rounds 3] [--positions 128,400] [--profile-at 200]
 
 For each model it builds the kernel (in parallel), uploads random weights, and checks:
 per-stage trace against the Python twin over the first positions (the first stage over
@@ -15,7 +16,8 @@ Builds of one model are timed in --rounds interleaved rounds (the default build,
 variant, then again), medians reported: two builds of nearly the same kernel differ by about 1%
 through code layout alone, and a drift of the device over the run would otherwise favour
 whichever build ran first. Each build's profile is set beside its unprofiled launches
-(`profile_overhead`: how much slower the profiled step ran than an unprofiled one there).
+(`profile_overhead`: how much slower the profiled step ran than an unprofiled one there); both
+go from --profile-at (200; 8,128 profiles Llama-1B's long context, the split path).
 """
 from __future__ import annotations
 
@@ -139,7 +141,7 @@ def check_model(name, spec, cfg, compiled, log, keep: dict | None = None):
 PROFILE_AT = 200        # the position of the profile's launch, and of the 8-step launches beside it
 
 
-def time_round(backend, max_seq_len: int, positions: tuple = ()) -> dict:
+def time_round(backend, max_seq_len: int, positions: tuple = (), profile_at: int = PROFILE_AT) -> dict:
     """One round of ms/token, by the kernel's event times (builds compare without the host's share;
     `kiec bench` times a step as the host pays it): single-step launches (one per step) at positions
     16-30 and one 256-step launch from 128 (one per sequence), 8-step launches at the profile's position,
@@ -154,7 +156,7 @@ def time_round(backend, max_seq_len: int, positions: tuple = ()) -> dict:
     res["ms_per_token_one_launch"] = backend._finish() / 256
     eights = []
     for _ in range(3):
-        backend._launch([1], 8, PROFILE_AT)
+        backend._launch([1], 8, profile_at)
         eights.append(backend._finish() / 8)
     res["ms_per_token_8_steps"] = float(np.median(eights))
     if max_seq_len >= 8192:
@@ -167,7 +169,8 @@ def time_round(backend, max_seq_len: int, positions: tuple = ()) -> dict:
     return res
 
 
-def time_builds(builds: dict, rounds: int, out_dir: Path | None, log, positions: tuple = ()) -> dict:
+def time_builds(builds: dict, rounds: int, out_dir: Path | None, log, positions: tuple = (),
+                profile_at: int = PROFILE_AT) -> dict:
     """builds: label -> (backend, max_seq_len), builds of one model. Interleaved rounds of time_round,
     then each build's profile (its raw stamps saved as out_dir/profile-LABEL.npy). Returns label ->
     medians over the rounds, the profile and its overhead; or a build's `timing_error`, which leaves
@@ -184,7 +187,7 @@ def time_builds(builds: dict, rounds: int, out_dir: Path | None, log, positions:
             if label in out:
                 continue
             try:
-                samples[label].append(time_round(backend, max_seq_len, positions))
+                samples[label].append(time_round(backend, max_seq_len, positions, profile_at))
             except Exception as err:
                 failed(label, err)
     for label, (backend, _) in builds.items():
@@ -193,7 +196,7 @@ def time_builds(builds: dict, rounds: int, out_dir: Path | None, log, positions:
         res = {key: float(np.median([s[key] for s in samples[label]])) for key in samples[label][0]}
         res["rounds"] = rounds
         try:
-            prof = backend.profile(1, PROFILE_AT)
+            prof = backend.profile(1, profile_at)
         except Exception as err:
             failed(label, err)
             continue
@@ -231,6 +234,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variant-model", default="llama-3.2-1b")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of each build (medians reported)")
     ap.add_argument("--positions", default="", help="','-separated positions to time 8-step launches from as well")
+    ap.add_argument("--profile-at", type=int, default=PROFILE_AT,
+                    help="the position of the profiled launch and of the 8-step launches beside it")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         raise KiecError("--rounds", args.rounds, "at least 1")
@@ -240,6 +245,11 @@ def main(argv=None) -> int:
         raise KiecError("--positions", args.positions, "','-separated whole numbers") from None
     if any(p < 0 for p in positions):
         raise KiecError("--positions", args.positions, "positions of 0 or more")
+    timed = {*args.models.split(","), *([args.variant_model] if args.variants.strip() else [])}
+    for n in sorted(timed):                                     # the profiled launch runs 8 steps
+        if not 0 <= args.profile_at <= SEQ.get(n, 1024) - 8:
+            raise KiecError("--profile-at", args.profile_at,
+                            f"0 to {SEQ.get(n, 1024) - 8} ({n} is built for {SEQ.get(n, 1024)} positions, and 8 steps are run)")
     from .options import CompileOptions
     variants = [CompileOptions.parse(v) for v in args.variants.split(";") if v.strip()]
     out_dir = Path(args.out)
@@ -280,7 +290,7 @@ def main(argv=None) -> int:
             if n == args.variant_model and variants:
                 together.update(build)
             elif args.bench:
-                out.update(time_builds(build, args.rounds, out_dir, log, positions)[n])
+                out.update(time_builds(build, args.rounds, out_dir, log, positions, args.profile_at)[n])
             del backend, build
         except Exception as err:
             log(f"{n}: FAILED {type(err).__name__}: {err}")
@@ -302,7 +312,7 @@ def main(argv=None) -> int:
         (out_dir / "devcheck.json").write_text(json.dumps(results, indent=1, default=str))
     if together:
         try:
-            times = time_builds(together, args.rounds, out_dir, log, positions)
+            times = time_builds(together, args.rounds, out_dir, log, positions, args.profile_at)
             for r in results["models"]:
                 r.update(times.get(r["model"], {}))
         except Exception as err:

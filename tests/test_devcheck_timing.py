@@ -36,7 +36,7 @@ class FakeBackend:
         return self.n_steps * self.per_step * pace
 
     def profile(self, token, start, steps=8):
-        assert start == PROFILE_AT
+        self.profiled_at = start
         raw = np.zeros((3, 2, len(FIELDS)), dtype=np.uint64)
         t0 = 1_000_000
         end = t0 + int(self.profiled_us * 1e3)
@@ -73,6 +73,7 @@ def test_rounds_interleave_the_builds_and_report_medians(tmp_path):
         assert json.loads((tmp_path / f"profile-{name}.json").read_text()) == {"stages": STAGE_NAMES}
         assert "gate_up: 1.00 of the lateness is the block's own over 2 stages" in r["profile_text"]
     assert out["a"]["profile_overhead"] > 0.1 and out["b"]["profile_overhead"] < 0
+    assert a.profiled_at == b.profiled_at == PROFILE_AT and ("a", 8, PROFILE_AT) in FakeBackend.launches
     assert any("profile of step 4 of 8" in line and "a step unprofiled" in line for line in logged)
 
 
@@ -107,3 +108,20 @@ def test_positions_are_timed_where_the_model_reaches_them(tmp_path):
 def test_positions_must_be_whole_numbers(tmp_path):
     with pytest.raises(KiecError, match="--positions"):
         main(["--positions", "128,abc", "--out", str(tmp_path)])
+
+
+def test_the_profile_and_its_8_step_launches_go_where_asked(tmp_path):
+    FakeBackend.launches = []
+    long = FakeBackend("long", per_step=0.90, profiled_us=900.0)
+    out = time_builds({"long": (long, 8192)}, rounds=3, out_dir=None, log=lambda msg: None, profile_at=8100)
+    assert long.profiled_at == 8100 and ("long", 8, 8100) in FakeBackend.launches
+    assert not any(start == PROFILE_AT for _, _, start in FakeBackend.launches)
+    assert out["long"]["ms_per_token_8_steps"] == pytest.approx(0.90 * 1.02, rel=1e-6)
+
+
+def test_a_profile_past_a_models_length_is_refused_before_any_device_work(tmp_path):
+    # Qwen-1.5B is built for 1,024 positions: 8 steps from 1,020 would run past them
+    with pytest.raises(KiecError, match="--profile-at.*0 to 1016.*qwen2.5-1.5b"):
+        main(["--models", "qwen2.5-1.5b", "--profile-at", "1020", "--out", str(tmp_path)])
+    with pytest.raises(KiecError, match="--profile-at"):
+        main(["--models", "llama-3.2-1b", "--profile-at", "-1", "--out", str(tmp_path)])
