@@ -170,7 +170,8 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
     for name, key in (("attention_by_head", "by_head_keys"), ("by_head_splits", "by_head_splits")):
         if any(s.attr(key) != att.attr(key) for s in sched.stages if s.kind == "attention"):
             raise KiecError(name, att.attr(key), "the same in every layer")
-    if att.attr("by_head_splits", 1) > 1 and not (sched.grid.marks_only >= 1 and not att.attr("combine_in_attn_out")):
+    attention_marked = sched.grid.marks_only >= 1 and not att.attr("combine_in_attn_out")
+    if att.attr("by_head_splits", 1) > 1 and not attention_marked:
         raise KiecError("by_head_splits", att.attr("by_head_splits"), "1 where attention's output is not marked (marks_only 0)")
     # x chunks one lane keeps in registers: enough for the widest segment, at most 4 (32 registers);
     # a stage with wider segments reads x from shared memory instead
@@ -184,7 +185,7 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              attention_by_head_rows=att.attr("by_head_rows"), attention_prefetch=att.attr("prefetch"),
              attention_pass_heads=att.attr("pass_heads"), combine_in_attn_out=att.attr("combine_in_attn_out"),
              attention_by_head_keys=att.attr("by_head_keys", 0), attention_by_head_splits=att.attr("by_head_splits", 1),
-             attention_marked=sched.grid.marks_only >= 1 and not att.attr("combine_in_attn_out"),
+             attention_marked=attention_marked,
              qkv_marked=sched.grid.marks_only >= 2, x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
              gemv_tiles=all(s.gemv.tiled for s in sched.gemv_stages()), tile_rows=TILE_ROWS, tile_cols=TILE_COLS,
              lm_head_pass_rows=next(s.gemv.pass_rows for s in sched.stages if s.kind == "lm_head"),

@@ -361,11 +361,11 @@ def attention_splits(lo: int, pos: int, splits: int, batch: int, min_length: int
     keys (scored a query head a tile), one split, or `by_head_splits` of equal length (the last shorter,
     those past the context empty and not counted). The kernel works the same numbers out at every step."""
     n = pos + 1 - lo
-    if n <= by_head_keys and by_head_splits > 1:
+    if n <= by_head_keys:
+        if by_head_splits == 1:
+            return -(-n // batch) * batch, 1
         length = -(-n // by_head_splits)
         return length, -(-n // length)
-    if n <= by_head_keys:
-        return -(-n // batch) * batch, 1
     length = max(-(-(-(-n // splits)) // batch) * batch, min_length)
     return length, -(-n // length)
 
