@@ -39,6 +39,11 @@ DEFAULT_MODELS = "tiny-llama,tiny-qwen2,tiny-mistral,llama-3.2-1b,qwen2.5-1.5b"
 SEQ = {"tiny-llama": 512, "tiny-qwen2": 512, "tiny-mistral": 600, "llama-3.2-1b": 8192, "qwen2.5-1.5b": 1024}
 
 
+def built_positions(name: str) -> int:
+    """The positions devcheck builds a model for."""
+    return SEQ.get(name, 1024)
+
+
 def model_spec(name: str, root: Path):
     from .model import load_spec
     from .synthetic import preset
@@ -46,7 +51,7 @@ def model_spec(name: str, root: Path):
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg))
-    return load_spec({"name": name, "weights": str(folder), "max_seq_len": SEQ.get(name, 1024)}), cfg
+    return load_spec({"name": name, "weights": str(folder), "max_seq_len": built_positions(name)}), cfg
 
 
 def check_variant(name, spec, ckpt, compiled, options, reference_logits, log):
@@ -247,9 +252,9 @@ def main(argv=None) -> int:
         raise KiecError("--positions", args.positions, "positions of 0 or more")
     timed = {*args.models.split(","), *([args.variant_model] if args.variants.strip() else [])}
     for n in sorted(timed):                                     # the profiled launch runs 8 steps
-        if not 0 <= args.profile_at <= SEQ.get(n, 1024) - 8:
-            raise KiecError("--profile-at", args.profile_at,
-                            f"0 to {SEQ.get(n, 1024) - 8} ({n} is built for {SEQ.get(n, 1024)} positions, and 8 steps are run)")
+        seq = built_positions(n)
+        if not 0 <= args.profile_at <= seq - 8:
+            raise KiecError("--profile-at", args.profile_at, f"0 to {seq - 8} ({n} is built for {seq} positions, and 8 steps are run)")
     from .options import CompileOptions
     variants = [CompileOptions.parse(v) for v in args.variants.split(";") if v.strip()]
     out_dir = Path(args.out)
