@@ -150,9 +150,9 @@ def test_tails_and_head_dims_match_the_twin(built, name):
                                                 (",marks_only=2", 64, 4), (",by_head_splits=3", 64, 4),
                                                 (",by_head_splits=2", 64, 3)))
 def test_every_attention_path_matches_the_twin_across_a_context(tmp_path, extra, batch, layers):
-    """A Llama-1B-shaped model (4 layers) built so that the steps from position 0 take every attention
-    path in turn: a query head a tile (up to 32 keys), one split alone (up to a batch), then splits and
-    the last one's combine; with the default rows in flight, with 8 (a batch of 128 keys), with
+    """A Llama-1B-shaped model (4 layers, 3 where said) built so that the steps from position 0 take
+    every attention path in turn: a query head a tile (up to 32 keys), one split alone (up to a batch),
+    then splits and the last one's combine; with the default rows in flight, with 8 (a batch of 128 keys), with
     marked inputs read without their counters, and with by-head tiles in splits (3 layers: attn_out then
     waits for their counter; the second run's by-head steps follow the first's split ones). The defaults
     stay under 512 keys in every other test here."""
