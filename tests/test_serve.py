@@ -11,8 +11,11 @@ import threading
 import time
 import urllib.parse
 
-import openai
 import pytest
+
+# the `test` extra installs the client; a machine without it (the GPU machine runs `pytest -m gpu`,
+# and nothing there reaches the package registry) skips the serving tests instead of failing to collect
+openai = pytest.importorskip("openai")
 
 from kiec.errors import DeviceError, KiecError
 from kiec.runtime.chat import encode_chat
