@@ -42,7 +42,8 @@ class CompileOptions:
     # timing only, the outputs are wrong: 1 leaves the weight copies out (the consumers' own pace),
     # 2 leaves the consumers' arithmetic out (the stream and the handshakes alone), 3 leaves attention's
     # scoring out (its keys and values still load), 4 takes attention off the path (attn_out waits for
-    # qkv), 5 has a by-head attention tile score the first half of its keys only (half its bytes)
+    # qkv), 5 has a by-head attention tile score the first half of its keys only (half its bytes), 6 has
+    # each weight copy bring two thirds of its chunk (an H100 then reads the weights at an H200's pace)
     timing_only: int | None = None
 
     def __post_init__(self):
@@ -104,11 +105,12 @@ class CompileOptions:
                             "where safe) or 2 (attention's inputs marked too)")
         if self.kv_store_late not in (None, 0, 1):
             raise KiecError("kv_store_late", self.kv_store_late, "0 or 1 (a debug build: the cache's new rows stored at the step's end)")
-        if self.timing_only not in (None, 0, 1, 2, 3, 4, 5):
+        if self.timing_only not in (None, 0, 1, 2, 3, 4, 5, 6):
             raise KiecError("timing_only", self.timing_only, "0, 1 (no weight copies), 2 (no arithmetic), 3 "
                             "(attention's keys loaded, not scored), 4 (attention off the path: attn_out waits "
-                            "for qkv and reads no attention output) or 5 (a by-head attention tile scores half "
-                            "its keys)")
+                            "for qkv and reads no attention output), 5 (a by-head attention tile scores half "
+                            "its keys) or 6 (a weight copy brings two thirds of its chunk: an H100 at an H200's "
+                            "read)")
 
     def label(self) -> str:
         """'slot_bytes=32768' style: only the knobs that differ from the defaults."""

@@ -78,7 +78,7 @@ def test_generated_kernel_compiles(tmp_path, name, target):
 
 
 OPTION_TEXTS = ["gemv_tiles=0", "gemv_tiles=0,reduce_batch=1", "gemv_tiles=0,reduce_batch=16,warp_release=1",
-                "timing_only=1", "timing_only=2", "timing_only=3", "timing_only=4", "timing_only=5", "gemv_tiles=0,timing_only=2", "slot_groups=2",
+                "timing_only=1", "timing_only=2", "timing_only=3", "timing_only=4", "timing_only=5", "timing_only=6", "gemv_tiles=0,timing_only=2", "slot_groups=2",
                 "tile_accumulators=1", "tile_accumulators=4", "kv_in_flight=4", "heads_per_pass=2",
                 "combine_in_attn_out=1", "combine_in_attn_out=1,gemv_tiles=0", "copies_in_flight=3",
                 "ring_evict_first=0", "producer_registers=56", "marks_only=0", "marks_only=1",

@@ -506,7 +506,7 @@ def test_consumer_options_reach_the_grid_and_bad_values_are_named(models):
     _, tuned = build_schedule(spec, options=CompileOptions.parse("reduce_batch=1,warp_release=1,timing_only=2"))
     assert (tuned.grid.reduce_batch, tuned.grid.warp_release, tuned.grid.timing_only) == (1, True, 2)
     for text, field in [("reduce_batch=3", "reduce_batch"), ("warp_release=2", "warp_release"),
-                        ("timing_only=6", "timing_only")]:
+                        ("timing_only=7", "timing_only")]:
         with pytest.raises(KiecError, match=field):
             CompileOptions.parse(text)
     with pytest.raises(KiecError, match=r"option: got 'slot_byte'; expected one of .*\(did you mean 'slot_bytes'\?\)"):
