@@ -208,6 +208,22 @@ def test_copies_in_flight_follow_the_device_s_memory_unless_asked(models):
         CompileOptions.parse("copies_in_flight=-1")
 
 
+def test_the_h200_probe_counts_an_h100_s_copies_as_an_h200_s(models):
+    """timing_only=6 (each copy two thirds of its chunk: an H100 reading at an H200's pace) plans the
+    copies in flight for that pace: an H100 SXM then keeps the H200's 3 in the layers and while
+    streaming, unless a count is asked for."""
+    spec = spec_of(models["tiny-llama"])
+    h100, h200 = 2 * 2619e6 * 5120 / 8 / 132, 2 * 3201e6 * 6144 / 8 / 132
+    probe = CompileOptions.parse("timing_only=6")
+    real = build_schedule(spec, 132, block_bandwidth=h200)[1].grid
+    emulated = build_schedule(spec, 132, options=probe, block_bandwidth=h100)[1].grid
+    assert (emulated.copies_in_flight, emulated.stream_copies_in_flight) == (real.copies_in_flight,
+                                                                            real.stream_copies_in_flight) == (3, 3)
+    asked = build_schedule(spec, 132, options=CompileOptions.parse("timing_only=6,copies_in_flight=2"),
+                           block_bandwidth=h100)[1].grid
+    assert (asked.copies_in_flight, asked.stream_copies_in_flight) == (2, 4)
+
+
 def test_the_streams_copy_cap_is_twice_the_layers_where_they_keep_two_unless_asked(models):
     """While the consumers stream gate_up or down a block keeps twice the layers' count of copies in
     flight where that count is 2 (the H100's), the same elsewhere (the H200's 3, the target's 3 where the
