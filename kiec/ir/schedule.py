@@ -26,6 +26,9 @@ STAGE_OPCODES = {name: i for i, name in enumerate(STAGE_KINDS)}
 SEG_MAX = 1024        # elements of one unit: a row segment one warp reduces in one go
 TILE_ROWS, TILE_COLS = 8, 32   # a tiled matrix's unit: rows x columns, row-major
 TILE_BYTES = TILE_ROWS * TILE_COLS * 2
+# the probe timing_only=6: a weight copy brings this share of its chunk (kernel.hip.j2's hbm_share), and
+# the schedule counts the copies in flight for a card that much faster (an H100 at an H200's read)
+HBM_SHARE = (2, 3)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import KiecError
-from ..ir.schedule import TILE_BYTES, TILE_COLS, TILE_ROWS, Grid, Schedule, Stage, gemv_shape, gemv_tiled
+from ..ir.schedule import HBM_SHARE, TILE_BYTES, TILE_COLS, TILE_ROWS, Grid, Schedule, Stage, gemv_shape, gemv_tiled
 from ..options import CompileOptions
 from ..targets import Target
 
@@ -67,7 +67,6 @@ MAX_THREAD_REGISTERS = 240   # what a consumer thread asks for at most
 # accumulators a warp's tile products go round: 2 was 0.5-1.1% faster a step than 4 for both models on
 # an H200 (a row group's flush adds half as many); 1 not yet timed on Llama-1B (PERF version 39)
 TILE_ACCUMULATORS = 2
-HBM_SHARE_SPEEDUP = 1.5      # timing_only=6: a weight copy brings 2/3 of its chunk (kernel.hip.j2's hbm_share)
 
 
 def _moved_registers(target: Target, warps: int, producer: int) -> tuple[int, int]:
@@ -279,7 +278,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     # the probe timing_only=6 makes a card read its weights 1.5 times as fast (an H100 at an H200's pace),
     # so its copies are counted for that card
     if options.timing_only == 6 and block_bandwidth:
-        block_bandwidth *= HBM_SHARE_SPEEDUP
+        block_bandwidth *= HBM_SHARE[1] / HBM_SHARE[0]
     copies = (_copies_in_flight(target, slot_bytes, block_bandwidth) if options.copies_in_flight is None
               else options.copies_in_flight)
     stream_copies = (_stream_copies_in_flight(copies) if options.stream_copies_in_flight is None
