@@ -144,7 +144,7 @@ def test_attn_out_waits_for_every_split_tile_where_it_combines_them(tmp_path):
             att = sched.stages[s.index - 1]
             assert att.tiles > att.attr("kv_heads")
             want = {"combine_in_attn_out=1": att.tiles, "attention_by_head=0": att.attr("kv_heads"),
-                    "": att.attr("heads")}[text]
+                    "": att.attr("heads") * att.attr("by_head_splits")}[text]
             assert _stage_entry(sched, s, trace, False)["wait_count"] == want, text
         assert ("constexpr bool COMBINE_IN_ATTN_OUT = true;" in files["kernel.hip"]) == text.startswith("combine")
 

@@ -440,7 +440,7 @@ def test_consumers_take_at_most_what_the_launch_gave_the_block(models):
 def test_attention_by_head_needs_a_tile_for_each_query_head(models):
     from kiec.codegen import _stage_entry, trace_layout
     spec = spec_of(models["tiny-llama"])
-    _, sched = build_schedule(spec, options=CompileOptions.parse("attention_by_head=300"))
+    _, sched = build_schedule(spec, options=CompileOptions.parse("attention_by_head=300,by_head_splits=1"))
     att = next(s for s in sched.stages if s.kind == "attention")
     group = att.attr("heads") // att.attr("kv_heads")
     assert att.attr("by_head_keys") == 300 and att.attr("splits") >= group > 1
@@ -451,7 +451,7 @@ def test_attention_by_head_needs_a_tile_for_each_query_head(models):
     # by default up to 512 keys go by head; with 0, none, and attn_out waits for a signal a KV group
     _, default = build_schedule(spec)
     assert next(s for s in default.stages if s.kind == "attention").attr("by_head_keys") == 512
-    _, plain = build_schedule(spec, options=CompileOptions.parse("attention_by_head=0"))
+    _, plain = build_schedule(spec, options=CompileOptions.parse("attention_by_head=0,by_head_splits=1"))
     assert _stage_entry(plain, plain.stages[att.index + 1], trace_layout(plain)[0], False)["wait_count"] == att.attr("kv_heads")
     # attn_out combining the splits has no by-head case: refused when asked, off by default
     with pytest.raises(KiecError, match="attention_by_head"):
@@ -471,7 +471,7 @@ def test_attention_by_head_needs_room_for_a_tile_per_query_head(models):
     # it and 7% a step)
     spec = spec_of(models["tiny-qwen2"])
     group = spec.config.heads // spec.config.kv_heads
-    _, sched = build_schedule(spec)
+    _, sched = build_schedule(spec, options=CompileOptions.parse("by_head_splits=1"))
     att = next(s for s in sched.stages if s.kind == "attention")
     assert -(-spec.max_seq_len // att.attr("batch")) < group
     assert att.attr("by_head_keys") == 512 and att.attr("splits") == group and att.tiles == spec.config.kv_heads * group
@@ -790,8 +790,6 @@ def test_by_head_splits_give_a_kv_head_a_tile_per_query_head_and_split(models):
     att = next(s for s in sched.stages if s.kind == "attention")
     assert att.attr("by_head_splits") == 3 and att.attr("splits") >= 3 * group
     assert att.tiles == spec.config.kv_heads * att.attr("splits")
-    _, default = build_schedule(spec)
-    assert next(s for s in default.stages if s.kind == "attention").attr("by_head_splits") == 1
     # more splits than a KV head has tiles for, or splits of a context that never goes by head: refused
     assert spec.config.kv_heads == 2                     # 12 blocks: 6 tiles a KV head, 2 splits of 3 heads
     _, two = build_schedule(spec, multiprocessors=12, options=CompileOptions.parse("by_head_splits=2"))
@@ -802,6 +800,32 @@ def test_by_head_splits_give_a_kv_head_a_tile_per_query_head_and_split(models):
         build_schedule(spec, options=CompileOptions.parse("by_head_splits=2,attention_by_head=0"))
     with pytest.raises(KiecError, match="by_head_splits"):
         CompileOptions.parse("by_head_splits=17")
+
+
+def test_by_head_splits_by_default_keep_the_by_head_tiles_within_a_third_of_the_blocks(tmp_path):
+    """Qwen-1.5B's 12 heads take 3 splits (36 tiles of 132 blocks), Llama-1B's 32 none (2 would be 64);
+    a KV head's room, a lane without marked outputs and a context that never goes by head give none."""
+    def attention(name, multiprocessors=None, text="", target=None, **config):
+        folder = tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(dict(preset(name), **config)))
+        spec = load_spec({"weights": str(folder), "max_seq_len": 8224})
+        _, sched = build_schedule(spec.replace(target=target) if target else spec, multiprocessors,
+                                  options=CompileOptions.parse(text))
+        return next(s for s in sched.stages if s.kind == "attention")
+    qwen = attention("qwen2.5-1.5b")
+    assert qwen.attr("heads") == 12 and qwen.attr("by_head_splits") == 3
+    assert qwen.tiles == qwen.attr("kv_heads") * qwen.attr("splits") and qwen.attr("splits") >= 6 * 3
+    assert attention("llama-3.2-1b").attr("by_head_splits") == 1
+    assert attention("qwen2.5-1.5b", 100).attr("by_head_splits") == 2          # 12 x 3 > 100 // 3
+    assert attention("qwen2.5-1.5b", 32).attr("by_head_splits") == 1           # 12 x 2 > 32 // 3
+    assert attention("qwen2.5-1.5b", text="by_head_splits=2").attr("by_head_splits") == 2
+    assert attention("qwen2.5-1.5b", text="marks_only=0").attr("by_head_splits") == 1
+    assert attention("qwen2.5-1.5b", target="hip:gfx942").attr("by_head_splits") == 1   # no marks alone
+    assert attention("qwen2.5-1.5b", text="attention_by_head=0").attr("by_head_splits") == 1
+    # a KV head's room caps them: 8 warps of 8-wide heads keep (8 x 8 - 1) // 2 = 31 tiles' weights, 2
+    # splits of a group of 12
+    assert attention("qwen2.5-1.5b", hidden_size=96, num_attention_heads=12, num_key_value_heads=1).attr("by_head_splits") == 2
 
 
 @pytest.mark.parametrize("name,blocks,text", [("tiny-mistral", None, "split_batches=1"),
