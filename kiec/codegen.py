@@ -13,7 +13,7 @@ import jinja2
 
 from . import __version__
 from .errors import KiecError
-from .ir.schedule import HBM_SHARE, STAGE_KINDS, TILE_COLS, TILE_ROWS, Schedule, direct_shape
+from .ir.schedule import HBM_SHARE, STAGE_KINDS, TILE_COLS, TILE_ROWS, Schedule
 from .targets import Target
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -187,10 +187,6 @@ def render(sched: Schedule, target: Target, module_name: str) -> dict:
              attention_by_head_keys=att.attr("by_head_keys", 0), attention_by_head_splits=att.attr("by_head_splits", 1),
              attention_marked=attention_marked,
              qkv_marked=sched.grid.marks_only >= 2, x_chunks=x_chunks, bf16=cfg["dtype"] == "bf16", sqrt_lanes=math.sqrt(sched.lanes),
-             direct=[dict(kind=kind, **dict(zip(("groups", "per_group"), max(
-                 direct_shape(s, sched.grid.consumer_warps) for s in sched.stages if s.kind == kind))))
-                 for kind in sched.grid.direct],
-             direct_kinds=sched.grid.direct,
              gemv_tiles=all(s.gemv.tiled for s in sched.gemv_stages()), tile_rows=TILE_ROWS, tile_cols=TILE_COLS, hbm_share=HBM_SHARE,
              lm_head_pass_rows=next(s.gemv.pass_rows for s in sched.stages if s.kind == "lm_head"),
              down_half_tiles=next(s.attr("half_tiles") or 0 for s in sched.stages if s.kind == "down"))

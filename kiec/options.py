@@ -35,8 +35,6 @@ class CompileOptions:
     by_head_rows: int | None = None     # K and V rows a lane loads per batch in a by-head attention tile: 1, 2, 4 or 8 (None: 4 where the consumers take the producer's registers and no kv_in_flight is given, else the other tiles' rows)
     combine_in_attn_out: int | None = None  # 1: attn_out's prologue combines attention's splits (no last-split combine; None/0: the last split does)
     down_halves: int | None = None      # 1: down's columns in two halves, each a tile's whole input, the second half's sums kept apart for h's readers to add (None: where it makes the largest tile smaller, one lane, tiled; 0: never)
-    direct_qkv: int | None = None       # 1: the consumers load qkv's tile straight into registers as the stage begins, and the ring skips it (None/0: through the ring)
-    direct_attn_out: int | None = None  # 1: the same for attn_out's tile
     marks_only: int | None = None       # 1: a stage reads its marked input (h, the FFN activation, attention's output) without its counter where this block's earlier tile read the write before; 2: attention's inputs too, and qkv has no fence (None: the target's on one lane, 0 with lanes; 0: counter, then marks)
     # debug: 1 stores the cache's copy of each step's K and V rows only at the step's end (with marks_only 2),
     # so that with the cache poisoned a read of this step's row from the cache, not its marked copy, is NaN
@@ -102,9 +100,6 @@ class CompileOptions:
             raise KiecError("combine_in_attn_out", self.combine_in_attn_out, "0 (the last split combines) or 1 (attn_out does)")
         if self.down_halves not in (None, 0, 1):
             raise KiecError("down_halves", self.down_halves, "0 (down's rows take every column) or 1 (two column halves)")
-        for name in ("direct_qkv", "direct_attn_out"):
-            if getattr(self, name) not in (None, 0, 1):
-                raise KiecError(name, getattr(self, name), "0 (the tile through the ring) or 1 (loaded into registers)")
         if self.marks_only not in (None, 0, 1, 2):
             raise KiecError("marks_only", self.marks_only, "0 (wait for the counter, then the marks), 1 (the marks alone "
                             "where safe) or 2 (attention's inputs marked too)")

@@ -84,8 +84,7 @@ OPTION_TEXTS = ["gemv_tiles=0", "gemv_tiles=0,reduce_batch=1", "gemv_tiles=0,red
                 "ring_evict_first=0", "producer_registers=56", "marks_only=0", "marks_only=1",
                 "marks_only=2", "marks_only=2,combine_in_attn_out=1", "kv_in_flight=8", "marks_only=2,kv_store_late=1", "slot_pairs=0",
                 "copies_in_flight=2,stream_copies_in_flight=3", "kv_in_flight=8,by_head_rows=1", "by_head_rows=8",
-                "contiguous_units=0", "contiguous_units=1,slot_pairs=0", "producer_polls=1", "steady_pairs=0",
-                "direct_qkv=1", "direct_qkv=1,direct_attn_out=1,timing_only=6"]
+                "contiguous_units=0", "contiguous_units=1,slot_pairs=0", "producer_polls=1", "steady_pairs=0"]
 
 
 def _option_fits(text: str, target) -> bool:
@@ -94,7 +93,7 @@ def _option_fits(text: str, target) -> bool:
     if "producer_registers" in text and not target.producer_registers:
         return False
     return target.gemv_tiles or not any(knob in text for knob in ("slot_groups", "tile_accumulators", "contiguous_units=1",
-                                                                  "steady_pairs", "direct"))
+                                                                  "steady_pairs"))
 
 
 @pytest.mark.parametrize("text,target", [(text, target) for text in OPTION_TEXTS for target in TARGETS

@@ -304,18 +304,6 @@ def test_steady_pairs_change_no_bit(tmp_path, name):
     assert np.array_equal(logits[""], logits["steady_pairs=0"])
 
 
-@pytest.mark.parametrize("name", list(PAIR_SHAPES))
-def test_direct_stages_change_no_bit(tmp_path, name):
-    """qkv's and attn_out's tiles loaded into registers (direct_qkv, direct_attn_out): a warp takes the
-    column tiles q, q + warps, ... of each row group, as it takes them from the ring's slots where the
-    units are strided (contiguous_units=0), round the accumulators in the same order, so the logits
-    must be the ring's bit for bit; and a launch of many steps select what launches of one do."""
-    variant = "contiguous_units=0,direct_qkv=1,direct_attn_out=1"
-    built, logits = default_against(tmp_path, PAIR_SHAPES[name], 47, variant, base="contiguous_units=0")
-    assert built[variant].sched.grid.direct == ("qkv", "attn_out") and not built[""].sched.grid.direct
-    assert np.array_equal(logits[""], logits[variant])
-
-
 def test_down_in_column_halves_matches_the_twin_and_the_whole_rows(tmp_path):
     """A Qwen-1.5B-shaped model (2 layers) with down in column halves (the default on 132 blocks): the
     second half's sums go to their own buffer, which qkv, attn_out's residual and the LM head add. Every

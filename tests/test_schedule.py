@@ -802,22 +802,16 @@ def test_by_head_splits_give_a_kv_head_a_tile_per_query_head_and_split(models):
         CompileOptions.parse("by_head_splits=17")
 
 
-def preset_schedule(folder, name, multiprocessors=None, text="", target=None, lanes=1, **config):
-    """The schedule of a preset's shape (config changes applied) for 8,224 positions."""
-    folder = folder / f"{name}-{len(list(folder.iterdir()))}"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(dict(preset(name), **config)))
-    spec = load_spec({"weights": str(folder), "max_seq_len": 8224, "lanes": lanes})
-    _, sched = build_schedule(spec.replace(target=target) if target else spec, multiprocessors,
-                              options=CompileOptions.parse(text))
-    return sched
-
-
 def test_by_head_splits_by_default_keep_the_by_head_tiles_within_a_third_of_the_blocks(tmp_path):
     """Qwen-1.5B's 12 heads take 3 splits (36 tiles of 132 blocks), Llama-1B's 32 none (2 would be 64);
     a KV head's room, a lane without marked outputs and a context that never goes by head give none."""
     def attention(name, multiprocessors=None, text="", target=None, **config):
-        sched = preset_schedule(tmp_path, name, multiprocessors, text, target, **config)
+        folder = tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(dict(preset(name), **config)))
+        spec = load_spec({"weights": str(folder), "max_seq_len": 8224})
+        _, sched = build_schedule(spec.replace(target=target) if target else spec, multiprocessors,
+                                  options=CompileOptions.parse(text))
         return next(s for s in sched.stages if s.kind == "attention")
     qwen = attention("qwen2.5-1.5b")
     assert qwen.attr("heads") == 12 and qwen.attr("by_head_splits") == 3
@@ -832,26 +826,6 @@ def test_by_head_splits_by_default_keep_the_by_head_tiles_within_a_third_of_the_
     # a KV head's room caps them: 8 warps of 8-wide heads keep (8 x 8 - 1) // 2 = 31 tiles' weights, 2
     # splits of a group of 12
     assert attention("qwen2.5-1.5b", hidden_size=96, num_attention_heads=12, num_key_value_heads=1).attr("by_head_splits") == 2
-
-
-def test_direct_stages_are_tiled_one_lane_and_a_warps_share_fits_in_registers(tmp_path):
-    """direct_qkv / direct_attn_out: Llama-1B's qkv tile (24 rows of 2,048 columns) is 3 row groups of
-    8 tiles a warp, attn_out's (16 rows) 2 of 8; rows, lanes and a share past 32 tiles are refused."""
-    from kiec.ir.schedule import direct_shape
-    sched = preset_schedule(tmp_path, "llama-3.2-1b", text="direct_qkv=1,direct_attn_out=1")
-    assert sched.grid.direct == ("qkv", "attn_out")
-    shapes = {s.kind: direct_shape(s, sched.grid.consumer_warps) for s in sched.stages if s.kind in sched.grid.direct}
-    assert shapes == {"qkv": (3, 8), "attn_out": (2, 8)}
-    assert preset_schedule(tmp_path, "llama-3.2-1b").grid.direct == ()
-    assert preset_schedule(tmp_path, "llama-3.2-1b", text="direct_attn_out=1").grid.direct == ("attn_out",)
-    with pytest.raises(KiecError, match="direct_qkv.*not tiled"):
-        preset_schedule(tmp_path, "llama-3.2-1b", text="direct_qkv=1,gemv_tiles=0")
-    with pytest.raises(KiecError, match="direct_qkv.*lanes are several"):
-        preset_schedule(tmp_path, "llama-3.2-1b", lanes=2, text="direct_qkv=1")
-    with pytest.raises(KiecError, match=r"direct_qkv.*more than 32 tiles \(96: 384 registers"):
-        preset_schedule(tmp_path, "llama-3.2-1b", 32, text="direct_qkv=1")     # 96 rows a tile: 12 groups of 8
-    with pytest.raises(KiecError, match="direct_attn_out"):
-        CompileOptions.parse("direct_attn_out=2")
 
 
 @pytest.mark.parametrize("name,blocks,text", [("tiny-mistral", None, "split_batches=1"),

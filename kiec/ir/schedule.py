@@ -72,12 +72,6 @@ def gemv_shape(rows: int, cols: int, max_segments: int = 8) -> Gemv:
     return Gemv(rows=rows, cols=cols, segments=segments, seg_width=seg_width)
 
 
-def direct_shape(s: Stage, warps: int) -> tuple[int, int]:
-    """(row groups, tiles of each a warp takes) of a tile the consumers load into registers (`Grid.direct`):
-    warp q takes column tiles q, q + warps, ... of every row group."""
-    return -(-s.gemv.rows_per_tile // TILE_ROWS), -(-(s.gemv.seg_width // TILE_COLS) // warps)
-
-
 def gemv_tiled(rows: int, cols: int, warps: int) -> Gemv:
     """Rows of whole TILE_COLS-wide tiles, at least one tile per consumer warp (zero columns past
     cols): a warp's step of `warps` tiles then crosses at most one row's end."""
@@ -133,7 +127,6 @@ class Grid:
     consumer_registers: int = 0     # registers a consumer thread takes then (0: no rebalancing)
     ring_evict_first: bool = False  # the ring's copies carry L2's evict-first hint
     producer_polls: bool = False    # the producer tests its ring barriers without try_wait's suspension
-    direct: tuple = ()              # stage kinds whose tile the consumers load into registers, the ring skipping them
     marks_only: int = 0             # marked inputs read without their counter where a block's earlier tile allows: 1, or 2 with attention's
     kv_store_late: bool = False     # debug: the cache's copy of a step's new K and V rows is stored at the step's end
 

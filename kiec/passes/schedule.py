@@ -42,9 +42,6 @@ Guarantees:
   bandwidth (`block_bandwidth`) over the target's `copy_latency_ns`, at least 2 (the H100 2, the H200 3),
   or the target's count where the device is unknown; they carry
   L2's evict-first hint where the target has one (`ring_evict_first`);
-- with `direct_qkv` / `direct_attn_out` (tiled matrices, one lane) the ring skips that stage: its
-  consumers load their share of the tile into registers as it begins (`Grid.direct`), at most
-  MAX_DIRECT_UNITS tiles a warp;
 - with `marks_only` (one lane: the target's, 2 on the H200; off with lanes), a stage reading marked values may skip
   its counter (codegen's `primed_by` names the earlier stage whose tile makes that safe in a block);
   at 2, attention's inputs are marked too and every block takes the LM head's ticket; a debug build
@@ -60,18 +57,15 @@ combines them itself); an attention tile only for the qkv tiles that cover its K
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from ..errors import KiecError
-from ..ir.schedule import (HBM_SHARE, TILE_BYTES, TILE_COLS, TILE_ROWS, Grid, Schedule, Stage, direct_shape, gemv_shape,
-                           gemv_tiled)
+from ..ir.schedule import HBM_SHARE, TILE_BYTES, TILE_COLS, TILE_ROWS, Grid, Schedule, Stage, gemv_shape, gemv_tiled
 from ..options import CompileOptions
 from ..targets import Target
 
 BARRIER_BYTES = 1024     # mbarriers and block-local flags
 REGISTER_FILE = 65536    # 32-bit registers of a multiprocessor; one block holds them all
 MAX_THREAD_REGISTERS = 240   # what a consumer thread asks for at most
-MAX_DIRECT_UNITS = 32        # a consumer warp's tiles of a stage loaded into registers (4 registers a tile)
 # accumulators a warp's tile products go round: 2 was 0.5-1.1% faster a step than 4 for both models on
 # an H200 (a row group's flush adds half as many); 1 not yet timed on Llama-1B (PERF version 39)
 TILE_ACCUMULATORS = 2
@@ -290,16 +284,6 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
     slot_units = slot_bytes // TILE_BYTES
     crosses = any(s.gemv.stride // TILE_COLS % slot_units for s in stages if s.gemv is not None)
     contiguous = (tiled and slot_groups == 1 and crosses) if options.contiguous_units is None else bool(options.contiguous_units)
-    direct = tuple(kind for kind, asked in (("qkv", options.direct_qkv), ("attn_out", options.direct_attn_out)) if asked)
-    for kind in direct:
-        name = f"direct_{kind}"
-        if not tiled or lanes > 1:
-            raise KiecError(name, 1, f"0 where the matrices are not tiled (gemv_tiles=0 or the target) or the lanes are "
-                            f"several ({lanes})")
-        units = max(math.prod(direct_shape(s, warps)) for s in stages if s.kind == kind)
-        if units > MAX_DIRECT_UNITS:
-            raise KiecError(name, 1, f"0 where a consumer warp's share of a {kind} tile is more than {MAX_DIRECT_UNITS} "
-                            f"tiles ({units}: {4 * units} registers a thread)")
     # the probe timing_only=6 makes a card read its weights 1.5 times as fast (an H100 at an H200's pace),
     # so its copies are counted for that card
     if options.timing_only == 6 and block_bandwidth:
@@ -322,7 +306,7 @@ def schedule(sched: Schedule, target: Target, multiprocessors: int | None = None
                 ring_evict_first=target.ring_evict_first if options.ring_evict_first is None
                 else bool(options.ring_evict_first),
                 producer_polls=bool(options.producer_polls),
-                marks_only=marks_only, kv_store_late=bool(options.kv_store_late), direct=direct)
+                marks_only=marks_only, kv_store_late=bool(options.kv_store_late))
     return dataclasses.replace(sched, stages=stages, grid=grid)
 
 
