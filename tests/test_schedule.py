@@ -804,7 +804,8 @@ def test_by_head_splits_give_a_kv_head_a_tile_per_query_head_and_split(models):
 
 def test_by_head_splits_by_default_keep_the_by_head_tiles_within_a_third_of_the_blocks(tmp_path):
     """Qwen-1.5B's 12 heads take 3 splits (36 tiles of 132 blocks), Llama-1B's 32 none (2 would be 64);
-    a KV head's room, a lane without marked outputs and a context that never goes by head give none."""
+    fewer blocks and a KV head's room give fewer, a lane without marked outputs and a context that never
+    goes by head none, and a count asked for holds."""
     def attention(name, multiprocessors=None, text="", target=None, **config):
         folder = tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}"
         folder.mkdir()

@@ -30,7 +30,8 @@ Guarantees:
   `heads_per_pass` (4) allows; with `combine_in_attn_out` every split tile signals and attn_out's
   prologue combines them; a short context (up to `by_head_keys`) goes a query head a tile, each
   head's context in `by_head_splits` tiles (by default, where attention's output is marked, as
-  many as 3 as keep those tiles within a third of the lane's blocks), whose partials attn_out combines;
+  many, at most 3, as keep those tiles within a third of the lane's blocks), whose partials attn_out
+  combines;
 - tile t of a stage runs on block (t + rotation) % blocks, the rotation carrying on
   from the previous stage, so small stages land on different blocks;
 - shared memory holds the ring of weight slots plus one scratch area (input vector,
