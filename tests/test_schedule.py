@@ -802,15 +802,12 @@ def test_by_head_splits_give_a_kv_head_a_tile_per_query_head_and_split(models):
         CompileOptions.parse("by_head_splits=17")
 
 
-def test_by_head_splits_by_default_keep_the_by_head_tiles_within_a_third_of_the_blocks(tmp_path):
+def test_by_head_splits_by_default_keep_the_by_head_tiles_within_a_third_of_the_blocks():
     """Qwen-1.5B's 12 heads take 3 splits (36 tiles of 132 blocks), Llama-1B's 32 none (2 would be 64);
     fewer blocks and a KV head's room give fewer, a lane without marked outputs and a context that never
     goes by head none, and a count asked for holds."""
     def attention(name, multiprocessors=None, text="", target=None, **config):
-        folder = tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}"
-        folder.mkdir()
-        (folder / "config.json").write_text(json.dumps(dict(preset(name), **config)))
-        spec = load_spec({"weights": str(folder), "max_seq_len": 8224})
+        spec = load_spec({"weights": ".", "config": dict(preset(name), **config), "max_seq_len": 8224})
         _, sched = build_schedule(spec.replace(target=target) if target else spec, multiprocessors,
                                   options=CompileOptions.parse(text))
         return next(s for s in sched.stages if s.kind == "attention")
